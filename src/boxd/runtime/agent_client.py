@@ -1,0 +1,341 @@
+"""The host's side of the in-guest agent protocol (see ``boxd.guest.agent``).
+
+One ``AgentClient`` holds the single connection QEMU's chardev accepts for a machine and
+multiplexes every request over it: many commands may stream at once while files move.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import itertools
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from boxd.errors import (
+    AgentUnavailable,
+    BoxdError,
+    Conflict,
+    HostError,
+    InvalidInput,
+    NotFound,
+    Timeout,
+    Unsupported,
+    VMError,
+)
+
+log = logging.getLogger(__name__)
+
+LINE_LIMIT = 16 * 1024 * 1024
+FILE_CHUNK = 512 * 1024
+WINDOW = 4  # file chunks in flight at once
+
+
+class _ConnectionLost(Exception):
+    pass
+
+
+def fault_to_error(event: dict[str, Any]) -> BoxdError:
+    """Map an agent's error code (never its wording) onto boxd's hierarchy."""
+    code, message = event.get("code", "internal"), event.get("message", "agent error")
+    field_name = message.split(":", 1)[0] if ":" in message else None
+    by_code: dict[str, type[BoxdError]] = {
+        "not_found": NotFound,
+        "invalid_input": InvalidInput,
+        "permission_denied": InvalidInput,
+        "conflict": Conflict,
+        "command_not_found": NotFound,
+        "unsupported": Unsupported,
+        "no_space": HostError,
+    }
+    cls = by_code.get(code, VMError)
+    if cls in (InvalidInput, Conflict):
+        return cls(message, field=field_name if field_name and " " not in field_name else None)
+    return cls(message, agent_code=code)
+
+
+@dataclass
+class ExecEvent:
+    """What a running command reports: started, stdout, stderr, then exit."""
+
+    kind: str
+    data: bytes = b""
+    pid: int | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+    timed_out: bool = False
+
+
+@dataclass
+class _Pending:
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+class AgentClient:
+    def __init__(self, socket_path: Path, *, name: str = "") -> None:
+        self.socket_path = Path(socket_path)
+        self.name = name
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._read_task: asyncio.Task | None = None
+        self._pending: dict[str, _Pending] = {}
+        self._connect_lock = asyncio.Lock()
+        self._ready = False
+        # A prefix per client keeps ids unique across daemon restarts and forks.
+        self._prefix = secrets.token_hex(6)
+        self._counter = itertools.count(1)
+
+    # -- connection -------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        return self._writer is not None and self._ready
+
+    async def connect(self, timeout: float) -> dict[str, Any]:
+        """Connect and wait until the agent answers a ping; returns the ping's answer."""
+        deadline = time.monotonic() + timeout
+        async with self._connect_lock:
+            if self._writer is None:
+                await self._open(deadline)
+            try:
+                answer = await self._call_raw({"op": "ping"}, deadline - time.monotonic())
+            except (asyncio.TimeoutError, _ConnectionLost):
+                await self._drop()
+                raise AgentUnavailable(
+                    f"machine {self.name}: the guest agent did not answer within {timeout:.0f} s"
+                ) from None
+            self._ready = True
+            return answer
+
+    async def _open(self, deadline: float) -> None:
+        while True:
+            try:
+                self._reader, self._writer = await asyncio.open_unix_connection(
+                    str(self.socket_path), limit=LINE_LIMIT
+                )
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() >= deadline:
+                    raise AgentUnavailable(
+                        f"machine {self.name}: no agent socket at {self.socket_path}"
+                    ) from None
+                await asyncio.sleep(0.02)
+        # Ends any half line an earlier connection left in the guest's input.
+        self._writer.write(b"\n")
+        self._read_task = asyncio.create_task(self._read_loop())
+
+    async def _read_loop(self) -> None:
+        assert self._reader is not None
+        try:
+            while True:
+                line = await self._reader.readline()
+                if not line:
+                    break
+                try:
+                    message = json.loads(line)
+                except ValueError:
+                    continue  # the tail of a line sent to an earlier connection
+                pending = self._pending.get(str(message.get("id")))
+                if pending is not None:
+                    pending.queue.put_nowait(message)
+        except (ConnectionError, asyncio.LimitOverrunError, ValueError) as error:
+            log.warning("agent connection of %s broke: %s", self.name, error)
+        finally:
+            self._ready = False
+            for pending in self._pending.values():
+                pending.queue.put_nowait(_ConnectionLost())
+
+    async def _drop(self) -> None:
+        self._ready = False
+        writer, task = self._writer, self._read_task
+        self._writer = self._reader = self._read_task = None
+        if writer is not None:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+    async def close(self) -> None:
+        await self._drop()
+
+    async def _ensure(self, timeout: float = 10.0) -> None:
+        if not self.connected:
+            if self._writer is not None:
+                await self._drop()
+            await self.connect(timeout)
+
+    # -- requests ---------------------------------------------------------------------
+
+    def _new_id(self) -> str:
+        return f"{self._prefix}-{next(self._counter)}"
+
+    def _send(self, request: dict[str, Any]) -> None:
+        if self._writer is None:
+            raise _ConnectionLost()
+        self._writer.write(json.dumps(request, separators=(",", ":")).encode() + b"\n")
+
+    async def _call_raw(self, request: dict[str, Any], timeout: float | None) -> dict[str, Any]:
+        request_id = self._new_id()
+        pending = self._pending[request_id] = _Pending()
+        try:
+            self._send({"id": request_id, **request})
+            assert self._writer is not None
+            await self._writer.drain()
+            message = await asyncio.wait_for(pending.queue.get(), timeout)
+        finally:
+            self._pending.pop(request_id, None)
+        if isinstance(message, _ConnectionLost):
+            raise message
+        return message
+
+    async def call(self, op: str, *, timeout: float | None = 60.0, **fields: Any) -> dict[str, Any]:
+        """One request, one answer; raises the boxd error the agent's code maps to."""
+        await self._ensure()
+        try:
+            message = await self._call_raw({"op": op, **fields}, timeout)
+        except asyncio.TimeoutError:
+            raise Timeout(f"machine {self.name}: agent operation {op} took over {timeout} s") from None
+        except _ConnectionLost:
+            raise AgentUnavailable(f"machine {self.name}: the agent connection was lost during {op}") from None
+        if message.get("type") == "error":
+            raise fault_to_error(message)
+        return message
+
+    async def exec(
+        self,
+        *,
+        argv: list[str] | None = None,
+        shell: str | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        stdin: bytes | None = None,
+        keep_stdin: bool = False,
+        timeout: float | None = None,
+        tag: str | None = None,
+        started: asyncio.Future | None = None,
+    ) -> AsyncIterator[ExecEvent]:
+        """Run a command and yield its events as they come, ending with ``exit``.
+
+        ``started``, if given, receives the request id (for stdin and signals) once the
+        guest has started the process.
+        """
+        await self._ensure()
+        request: dict[str, Any] = {"op": "exec", "env": env or {}, "cwd": cwd, "user": user, "tag": tag}
+        if argv is not None:
+            request["argv"] = argv
+        else:
+            request["shell"] = shell
+        if stdin is not None:
+            request["stdin_data"] = base64.b64encode(stdin).decode()
+        request["stdin"] = keep_stdin
+        if timeout is not None:
+            request["timeout"] = timeout
+        request_id = self._new_id()
+        pending = self._pending[request_id] = _Pending()
+        # The guest enforces the timeout; this margin only catches a guest that died.
+        host_deadline = None if timeout is None else time.monotonic() + timeout + 30
+        try:
+            self._send({"id": request_id, **request})
+            assert self._writer is not None
+            await self._writer.drain()
+            while True:
+                remaining = None if host_deadline is None else max(0.0, host_deadline - time.monotonic())
+                try:
+                    message = await asyncio.wait_for(pending.queue.get(), remaining)
+                except asyncio.TimeoutError:
+                    raise Timeout(f"machine {self.name}: the command did not finish and the guest went silent") from None
+                if isinstance(message, _ConnectionLost):
+                    raise AgentUnavailable(f"machine {self.name}: the agent connection was lost during a command")
+                kind = message.get("type")
+                if kind == "error":
+                    raise fault_to_error(message)
+                if kind == "started":
+                    if started is not None and not started.done():
+                        started.set_result(request_id)
+                    yield ExecEvent("started", pid=message.get("pid"))
+                elif kind in ("stdout", "stderr"):
+                    yield ExecEvent(kind, data=base64.b64decode(message.get("data", "")))
+                elif kind == "exit":
+                    yield ExecEvent(
+                        "exit",
+                        exit_code=message.get("exit_code"),
+                        signal=message.get("signal"),
+                        timed_out=bool(message.get("timed_out")),
+                    )
+                    return
+        finally:
+            self._pending.pop(request_id, None)
+            if started is not None and not started.done():
+                started.cancel()
+
+    # -- files ------------------------------------------------------------------------
+
+    async def write_file(
+        self,
+        path: str,
+        chunks: AsyncIterator[bytes],
+        *,
+        mode: int | None = None,
+        user: str | None = None,
+    ) -> int:
+        """Write a file from a stream of chunks; it appears whole only when complete."""
+        upload = secrets.token_hex(8)
+        offset = 0
+        in_flight: list[asyncio.Task] = []
+
+        async def send(data: bytes, at: int, last: bool) -> None:
+            await self.call(
+                "write_file", path=path, upload=upload, offset=at, last=last,
+                data=base64.b64encode(data).decode(), mode=mode, user=user,
+            )
+
+        # The first chunk goes alone: it creates the file that later chunks write into.
+        # The last one waits for all before it, since it renames the file into place.
+        buffered = b""
+        first = True
+        async for piece in chunks:
+            buffered += piece
+            while len(buffered) > FILE_CHUNK:
+                data, buffered = buffered[:FILE_CHUNK], buffered[FILE_CHUNK:]
+                if first:
+                    await send(data, offset, False)
+                    first = False
+                else:
+                    in_flight.append(asyncio.create_task(send(data, offset, False)))
+                    if len(in_flight) >= WINDOW:
+                        await in_flight.pop(0)
+                offset += len(data)
+        try:
+            for task in in_flight:
+                await task
+        finally:
+            for task in in_flight:
+                task.cancel()
+        await send(buffered, offset, True)
+        return offset + len(buffered)
+
+    async def read_file(self, path: str) -> AsyncIterator[bytes]:
+        """Yield a file's bytes in order, a chunk at a time."""
+        offset = 0
+        while True:
+            answer = await self.call("read_file", path=path, offset=offset, length=FILE_CHUNK)
+            data = base64.b64decode(answer.get("data", ""))
+            offset += len(data)
+            if data:
+                yield data
+            if answer.get("eof") or not data:
+                return
+
+    async def set_time(self) -> None:
+        await self.call("set_time", epoch_ns=time.time_ns())

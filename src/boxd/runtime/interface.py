@@ -1,0 +1,87 @@
+"""What the daemon may ask of a VM runtime, and nothing about HTTP.
+
+The daemon talks to a ``Runtime``; ``LocalRuntime`` runs QEMU on this host, and a remote
+runtime (a host agent on another node) can offer the same calls. Everything crosses this
+boundary as plain data, so that it can cross a process boundary too.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from boxd.runtime.agent_client import ExecEvent
+
+
+class VMState(str, enum.Enum):
+    RUNNING = "running"
+    PAUSED = "paused"  # vCPUs stopped, memory kept
+    STOPPED = "stopped"  # no process, nothing lost (hibernated or shut down cleanly)
+    FAILED = "failed"  # the process is gone without us stopping it
+
+
+@dataclass(frozen=True)
+class VMSpec:
+    """What a machine is made of. The image is the digest of a built guest image."""
+
+    image: str
+    vcpus: int = 1
+    memory_mib: int = 512
+    disk_gib: int = 4
+    isolated: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "VMSpec":
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+@dataclass(frozen=True)
+class ExecRequest:
+    argv: list[str] | None = None
+    shell: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    user: str | None = "boxd"
+    stdin: bytes | None = None
+    timeout: float | None = None
+
+
+@dataclass(frozen=True)
+class VMInfo:
+    id: str
+    state: VMState
+    pid: int | None
+    accelerator: str
+    console_log: str
+
+
+class Runtime(Protocol):
+    async def create(self, vm_id: str, spec: VMSpec) -> VMInfo:
+        """Start a new machine from its image; returns once QEMU runs (not yet ready)."""
+
+    async def adopt(self, vm_id: str) -> VMInfo:
+        """Take over a machine a previous daemon started (after a restart)."""
+
+    async def info(self, vm_id: str) -> VMInfo: ...
+
+    async def wait_ready(self, vm_id: str, timeout: float) -> None:
+        """Return once the machine's agent answers; ``Timeout`` otherwise."""
+
+    def exec(self, vm_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]: ...
+
+    async def write_file(
+        self, vm_id: str, path: str, chunks: AsyncIterator[bytes], *, mode: int | None, user: str | None
+    ) -> int: ...
+
+    def read_file(self, vm_id: str, path: str) -> AsyncIterator[bytes]: ...
+
+    async def fs(self, vm_id: str, op: str, **fields: Any) -> dict[str, Any]:
+        """stat, list_dir, make_dir, remove, move: the agent's small file operations."""
+
+    async def delete(self, vm_id: str) -> None:
+        """Stop the machine if it runs and remove every process, socket and file of it."""

@@ -1,0 +1,255 @@
+"""One QEMU process: its command line, its launch, its QMP monitor and its end.
+
+A process is described by a ``Launch``: everything that must be the same on a source and
+on a machine that receives its state (devices, memory size, kernel) plus what is its own
+(sockets, disk, RAM file). Forks and restores start QEMU from the same description.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qemu.qmp import QMPClient, QMPError
+
+from boxd.errors import HostError, VMError, VMLaunchFailure
+from boxd.runtime.accel import Accelerator
+
+log = logging.getLogger(__name__)
+
+QEMU_BINARY = "qemu-system-x86_64"
+AGENT_PORT = "org.boxd.agent"
+# Guests use QEMU's user-mode network; every machine has its own NAT, so all of them can
+# share one address and MAC, which is what lets a fork keep its network configuration.
+GUEST_MAC = "52:54:00:12:34:56"
+KERNEL_CMDLINE = "console=ttyS0 panic=-1 quiet"
+
+
+def qemu_binary() -> str:
+    path = shutil.which(QEMU_BINARY)
+    if path is None:
+        raise HostError(
+            f"{QEMU_BINARY} not found: install the Debian package qemu-system-x86 "
+            "(apt-get install qemu-system-x86 qemu-utils)"
+        )
+    return path
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Everything QEMU's command line is made from."""
+
+    name: str
+    run_dir: Path  # sockets and pidfile (short paths: unix sockets are limited to 107 bytes)
+    ram_file: Path
+    ram_shared: bool  # share=on for a machine that owns its RAM; off to map a capture copy-on-write
+    disk: Path  # top qcow2 of the machine's disk chain
+    kernel: Path
+    initrd: Path
+    console_log: Path
+    accelerator: Accelerator
+    vcpus: int
+    memory_mib: int
+    isolated: bool
+    incoming: bool = False  # wait for a migration stream instead of booting
+    host_forwards: tuple[tuple[int, int], ...] = ()  # (host port, guest port)
+    bios: Path | None = None
+
+    @property
+    def qmp_socket(self) -> Path:
+        return self.run_dir / "qmp.sock"
+
+    @property
+    def agent_socket(self) -> Path:
+        return self.run_dir / "agent.sock"
+
+    @property
+    def pidfile(self) -> Path:
+        return self.run_dir / "qemu.pid"
+
+    @property
+    def stderr_log(self) -> Path:
+        return self.run_dir / "qemu.stderr"
+
+    def argv(self) -> list[str]:
+        netdev = "user,id=net0"
+        if self.isolated:
+            # restrict=on: the guest reaches nothing outside itself, not even the host.
+            netdev += ",restrict=on"
+        for host_port, guest_port in self.host_forwards:
+            netdev += f",hostfwd=tcp:127.0.0.1:{host_port}-:{guest_port}"
+        args = [
+            qemu_binary(),
+            "-name", f"boxd-{self.name}",
+            "-nodefaults", "-no-user-config", "-display", "none",
+            "-daemonize", "-pidfile", str(self.pidfile),
+            "-machine", "q35,memory-backend=mem",
+            *self.accelerator.qemu_args(),
+            "-smp", str(self.vcpus),
+            "-m", f"{self.memory_mib}M",
+            "-object",
+            f"memory-backend-file,id=mem,size={self.memory_mib}M,mem-path={self.ram_file},"
+            f"share={'on' if self.ram_shared else 'off'}",
+            "-kernel", str(self.kernel), "-initrd", str(self.initrd), "-append", KERNEL_CMDLINE,
+            "-blockdev", f"driver=file,node-name=rootfile,filename={self.disk}",
+            "-blockdev", "driver=qcow2,node-name=root,file=rootfile",
+            "-device", "virtio-blk-pci,id=rootdisk,drive=root",
+            "-chardev", f"socket,id=qmp,path={self.qmp_socket},server=on,wait=off",
+            "-mon", "chardev=qmp,mode=control",
+            "-device", "virtio-serial-pci,id=vser",
+            "-chardev", f"socket,id=agent,path={self.agent_socket},server=on,wait=off",
+            "-device", f"virtserialport,bus=vser.0,chardev=agent,name={AGENT_PORT}",
+            "-netdev", netdev,
+            "-device", f"virtio-net-pci,netdev=net0,mac={GUEST_MAC}",
+            "-device", "virtio-rng-pci",
+            # A new generation id on every start: the guest kernel reseeds its RNG when a
+            # restored or forked machine resumes, so forks never share random numbers.
+            "-device", f"vmgenid,id=vmgenid0,guid={uuid.uuid4()}",
+            "-chardev", f"file,id=console,path={self.console_log}",
+            "-serial", "chardev:console",
+            "-no-reboot",
+        ]
+        if self.bios is not None:
+            args += ["-bios", str(self.bios)]
+        if self.incoming:
+            # -S: stay paused after the state arrives, so the clock and identity can be
+            # set before the guest runs a single instruction.
+            args += ["-S", "-incoming", "defer"]
+        return args
+
+
+def read_pid(pidfile: Path) -> int | None:
+    try:
+        return int(pidfile.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def process_alive(pid: int | None, marker: str) -> bool:
+    """True when ``pid`` runs and is our QEMU (its command line names ``marker``)."""
+    if pid is None:
+        return False
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return False
+    try:
+        status = Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return status != "Z" and marker.encode() in cmdline
+
+
+async def start_qemu(launch: Launch) -> int:
+    """Start QEMU detached from us (it outlives the daemon); returns its pid.
+
+    ``-daemonize`` makes the launching process exit only once QEMU has initialised, so a
+    bad command line or a missing file is reported here, with QEMU's own words.
+    """
+    launch.run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in (launch.qmp_socket, launch.agent_socket, launch.pidfile):
+        stale.unlink(missing_ok=True)
+    argv = launch.argv()
+    with open(launch.stderr_log, "wb") as stderr:
+        process = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=subprocess.DEVNULL,
+            stdout=stderr,
+            stderr=stderr,
+            start_new_session=True,
+        )
+        code = await process.wait()
+    output = launch.stderr_log.read_text(errors="replace")
+    pid = read_pid(launch.pidfile)
+    if code != 0 or pid is None:
+        raise VMLaunchFailure(
+            f"QEMU would not start machine {launch.name}: {output.strip()[-400:] or f'exit code {code}'}",
+            exitcode=code,
+            command=argv,
+            output=output,
+        )
+    return pid
+
+
+class Monitor:
+    """A QMP connection to one QEMU, through qemu.qmp."""
+
+    def __init__(self, socket_path: Path, name: str) -> None:
+        self.socket_path = socket_path
+        self.name = name
+        self.client = QMPClient(name)
+
+    async def connect(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                await self.client.connect(str(self.socket_path))
+                return
+            except (QMPError, OSError) as error:
+                if time.monotonic() >= deadline:
+                    raise VMError(f"machine {self.name}: QMP did not answer: {error}") from None
+                self.client = QMPClient(self.name)
+                await asyncio.sleep(0.01)
+
+    async def execute(self, command: str, arguments: dict[str, Any] | None = None) -> Any:
+        try:
+            return await self.client.execute(command, arguments)
+        except QMPError as error:
+            raise VMError(f"machine {self.name}: QMP {command} failed: {error}") from error
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.client.disconnect()
+
+
+async def wait_gone(pid: int, marker: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while process_alive(pid, marker):
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
+async def kill_qemu(pid: int | None, marker: str) -> None:
+    """End a QEMU process for good: SIGTERM, then SIGKILL if it lingers."""
+    if not process_alive(pid, marker):
+        return
+    assert pid is not None
+    for signum, grace in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+        if await wait_gone(pid, marker, grace):
+            return
+    raise VMError(f"QEMU process {pid} did not exit after SIGKILL")
+
+
+async def run_tool(*argv: str) -> str:
+    process = await asyncio.create_subprocess_exec(
+        *argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    output, _ = await process.communicate()
+    text = output.decode(errors="replace")
+    if process.returncode != 0:
+        raise VMError(f"{argv[0]} failed: {text.strip()[-400:]}")
+    return text
+
+
+async def create_overlay(path: Path, backing: Path, size_gib: int | None = None) -> None:
+    """A new qcow2 whose unwritten blocks read from ``backing``."""
+    if shutil.which("qemu-img") is None:
+        raise HostError("qemu-img not found: install the Debian package qemu-utils")
+    argv = ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(backing), "-F", "qcow2", str(path)]
+    if size_gib is not None:
+        argv.append(f"{size_gib}G")
+    await run_tool(*argv)

@@ -1,0 +1,244 @@
+"""The guest agent and the host's client, talking over a unix socket on the host.
+
+The agent is plain Python, so its protocol (request ids, streaming, timeouts, files)
+is tested here without a VM; the VM tests then show the same code inside a guest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+from boxd.errors import Conflict, InvalidInput, NotFound
+from boxd.guest.agent import Agent, Channel
+from boxd.runtime.agent_client import AgentClient
+
+
+class AgentOnSocket:
+    """Serves each connection to ``path`` with a guest agent, like QEMU's chardev does."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(str(path))
+        self.server.listen(1)
+        self.connections: list[socket.socket] = []
+        self.agent: Agent | None = None
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self.server.accept()
+            except OSError:
+                return
+            self.connections.append(connection)
+            # One agent for the life of the "guest": its memory of request ids persists
+            # across host connections, as it does in a VM.
+            if self.agent is None:
+                self.agent = Agent(Channel(connection.fileno()))
+            else:
+                self.agent.channel.fd = connection.fileno()
+                continue
+            threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        try:
+            self.agent.serve()
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        # An invalid fd ends the agent's read loop before the connection's number is reused.
+        if self.agent is not None:
+            self.agent.channel.fd = -1
+        self.server.close()
+        for connection in self.connections:
+            connection.close()
+
+
+@pytest.fixture
+def agent_socket(tmp_path):
+    served = AgentOnSocket(tmp_path / "agent.sock")
+    yield served
+    served.close()
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+async def collect(client: AgentClient, **kwargs):
+    events = [event async for event in client.exec(**kwargs)]
+    stdout = b"".join(e.data for e in events if e.kind == "stdout")
+    stderr = b"".join(e.data for e in events if e.kind == "stderr")
+    return events, stdout, stderr
+
+
+def test_exec_streams_output_and_exit_code(agent_socket):
+    async def scenario():
+        client = AgentClient(agent_socket.path, name="t")
+        await client.connect(5)
+        events, stdout, stderr = await collect(client, shell="echo out; echo err >&2; exit 3")
+        await client.close()
+        return events, stdout, stderr
+
+    events, stdout, stderr = run(scenario())
+    assert events[0].kind == "started" and events[0].pid > 0
+    assert stdout == b"out\n" and stderr == b"err\n"
+    assert events[-1].kind == "exit" and events[-1].exit_code == 3 and not events[-1].timed_out
+
+
+def test_non_utf8_output_comes_back_intact(agent_socket):
+    async def scenario():
+        client = AgentClient(agent_socket.path, name="t")
+        await client.connect(5)
+        _, stdout, _ = await collect(client, argv=["printf", r"\377\376\000abc"])
+        await client.close()
+        return stdout
+
+    assert run(scenario()) == b"\xff\xfe\x00abc"
+
+
+def test_stdin_is_fed_to_the_command(agent_socket):
+    async def scenario():
+        client = AgentClient(agent_socket.path, name="t")
+        await client.connect(5)
+        _, stdout, _ = await collect(client, argv=["sha256sum"], stdin=b"x" * 100_000)
+        await client.close()
+        return stdout
+
+    assert run(scenario()).split()[0].decode() == hashlib.sha256(b"x" * 100_000).hexdigest()
+
+
+def test_timeout_kills_the_whole_process_group(agent_socket, tmp_path):
+    marker = tmp_path / "child-survived"
+
+    async def scenario():
+        client = AgentClient(agent_socket.path, name="t")
+        await client.connect(5)
+        # The background child would touch the marker if it outlived the timeout.
+        events, _, _ = await collect(client, shell=f"(sleep 2; touch {marker}) & sleep 30", timeout=0.5)
+        await asyncio.sleep(2.5)
+        await client.close()
+        return events[-1]
+
+    exit_event = run(scenario())
+    assert exit_event.timed_out and exit_event.exit_code == 137
+    assert not marker.exists()
+
+
+def test_command_not_found_is_a_not_found_error(agent_socket):
+    async def scenario():
+        client = AgentClient(agent_socket.path, name="t")
+        await client.connect(5)
+        try:
+            await collect(client, argv=["/no/such/binary"])
+        finally:
+            await client.close()
+
+    with pytest.raises(NotFound, match="command not found"):
+        run(scenario())
+
+
+def test_files_round_trip_in_chunks_with_mode_and_parents(agent_socket, tmp_path):
+    payload = os.urandom(3 * 1024 * 1024 + 17)
+    target = tmp_path / "deep" / "er" / "file.bin"
+
+    async def chunks():
+        for start in range(0, len(payload), 100_000):
+            yield payload[start : start + 100_000]
+
+    async def scenario():
+        client = AgentClient(agent_socket.path, name="t")
+        await client.connect(5)
+        size = await client.write_file(str(target), chunks(), mode=0o600)
+        back = b"".join([chunk async for chunk in client.read_file(str(target))])
+        await client.close()
+        return size, back
+
+    size, back = run(scenario())
+    assert size == len(payload) and back == payload
+    assert target.stat().st_mode & 0o777 == 0o600
+    assert not list(target.parent.glob(".*.part"))
+
+
+def test_file_errors_name_the_field(agent_socket, tmp_path):
+    async def scenario(op, **fields):
+        client = AgentClient(agent_socket.path, name="t")
+        await client.connect(5)
+        try:
+            return await client.call(op, **fields)
+        finally:
+            await client.close()
+
+    with pytest.raises(NotFound):
+        run(scenario("read_file", path=str(tmp_path / "missing")))
+    with pytest.raises(InvalidInput) as relative:
+        run(scenario("read_file", path="relative/path"))
+    assert relative.value.field == "path"
+    with pytest.raises(InvalidInput):
+        run(scenario("read_file", path=str(tmp_path)))
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(Conflict):
+        run(scenario("make_dir", path=str(tmp_path / "a-file")))
+
+
+def test_a_repeated_request_id_never_runs_twice(agent_socket, tmp_path):
+    counter = tmp_path / "runs"
+    request = {"id": "fixed-1", "op": "exec", "shell": f"echo run >> {counter}", "env": {}}
+
+    async def scenario():
+        reader, writer = await asyncio.open_unix_connection(str(agent_socket.path))
+        async def next_exit():
+            while True:
+                message = json.loads(await asyncio.wait_for(reader.readline(), 10))
+                if message["type"] == "exit":
+                    return message
+
+        # Copies that arrive while it runs are dropped; one that arrives after it ended
+        # gets the same final answer again.
+        for _ in range(3):
+            writer.write(json.dumps(request).encode() + b"\n")
+        await writer.drain()
+        first = await next_exit()
+        writer.write(json.dumps(request).encode() + b"\n")
+        await writer.drain()
+        assert await next_exit() == first
+        writer.close()
+
+    run(scenario())
+    assert counter.read_text() == "run\n"
+
+
+def test_garbage_and_half_lines_are_skipped(agent_socket):
+    async def scenario():
+        reader, writer = await asyncio.open_unix_connection(str(agent_socket.path))
+        writer.write(b'{"id": "cut-off", "op": "pi\nnot json\n{"id": "p", "op": "ping"}\n')
+        await writer.drain()
+        answer = json.loads(await asyncio.wait_for(reader.readline(), 5))
+        writer.close()
+        return answer
+
+    answer = run(scenario())
+    assert answer["id"] == "p" and answer["type"] == "result"
+
+
+def test_client_reconnects_after_losing_the_connection(agent_socket):
+    async def scenario():
+        client = AgentClient(agent_socket.path, name="t")
+        await client.connect(5)
+        await client.close()
+        client = AgentClient(agent_socket.path, name="t")
+        _, stdout, _ = await collect(client, shell="echo again")
+        await client.close()
+        return stdout
+
+    assert run(scenario()) == b"again\n"
