@@ -16,9 +16,9 @@ class Accelerator:
     def qemu_args(self) -> list[str]:
         if self.name == "kvm":
             return ["-accel", "kvm", "-cpu", self.cpu]
-        # One translation thread per vCPU; the default code cache is 1 GiB per VM, far
-        # more than a small guest needs, and it is what a clone's memory is mostly made of.
-        return ["-accel", "tcg,thread=multi,tb-size=64", "-cpu", self.cpu]
+        # The default code cache size on purpose: a small one (tb-size=64) flushes often,
+        # and forks taken while it flushed came out with corrupt memory.
+        return ["-accel", "tcg", "-cpu", self.cpu]
 
 
 def detect_accelerator(

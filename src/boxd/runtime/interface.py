@@ -14,6 +14,9 @@ from typing import Any, Protocol
 
 from boxd.runtime.agent_client import ExecEvent
 
+# Commands run and files are written as this guest user unless asked otherwise.
+DEFAULT_USER = "boxd"
+
 
 class VMState(str, enum.Enum):
     RUNNING = "running"
@@ -46,7 +49,7 @@ class ExecRequest:
     shell: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
-    user: str | None = "boxd"
+    user: str = DEFAULT_USER
     stdin: bytes | None = None
     timeout: float | None = None
 
@@ -75,7 +78,7 @@ class Runtime(Protocol):
     def exec(self, vm_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]: ...
 
     async def write_file(
-        self, vm_id: str, path: str, chunks: AsyncIterator[bytes], *, mode: int | None, user: str | None
+        self, vm_id: str, path: str, chunks: AsyncIterator[bytes], *, mode: int | None = None, user: str = DEFAULT_USER
     ) -> int: ...
 
     def read_file(self, vm_id: str, path: str) -> AsyncIterator[bytes]: ...

@@ -12,6 +12,7 @@ On disk, per machine:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -19,6 +20,7 @@ import os
 import re
 import secrets
 import shutil
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,13 +31,25 @@ from boxd.errors import AgentUnavailable, Conflict, HostError, InvalidInput, Not
 from boxd.guest.image import Image, load_image
 from boxd.runtime.accel import Accelerator, detect_accelerator
 from boxd.runtime.agent_client import AgentClient, ExecEvent
-from boxd.runtime.interface import ExecRequest, VMInfo, VMSpec, VMState
-from boxd.runtime.qemu import Launch, create_overlay, kill_qemu, process_alive, read_pid, start_qemu
+from boxd.runtime.interface import DEFAULT_USER, ExecRequest, VMInfo, VMSpec, VMState
+from boxd.runtime.qemu import (
+    Launch,
+    Monitor,
+    create_overlay,
+    kill_qemu,
+    process_alive,
+    qemu_binary,
+    read_pid,
+    run_tool,
+    set_capabilities,
+    start_qemu,
+    wait_incoming,
+    wait_migration,
+)
 
 log = logging.getLogger(__name__)
 
 VM_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
-QBOOT = Path("/usr/share/qemu/qboot.rom")
 
 
 @dataclass
@@ -47,6 +61,8 @@ class Machine:
     image_path: str
     disk_top: str
     disk_frozen: list[str] = field(default_factory=list)
+    top_node: str = "root"  # QMP node name of the top layer; each capture adds a new one
+    ram_capture: str | None = None  # a fork maps this capture's RAM copy-on-write
     pid: int | None = None
     paused: bool = False
 
@@ -57,6 +73,8 @@ class Machine:
             "image_path": self.image_path,
             "disk_top": self.disk_top,
             "disk_frozen": self.disk_frozen,
+            "top_node": self.top_node,
+            "ram_capture": self.ram_capture,
         }
 
     @classmethod
@@ -67,7 +85,27 @@ class Machine:
             image_path=data["image_path"],
             disk_top=data["disk_top"],
             disk_frozen=list(data.get("disk_frozen", [])),
+            top_node=data.get("top_node", "root"),
+            ram_capture=data.get("ram_capture"),
         )
+
+
+@dataclass(frozen=True)
+class Capture:
+    """One frozen instant of a machine: RAM file, device state, and the disk layer under it."""
+
+    id: str
+    folder: Path
+    disk_frozen: list[str]  # the source's chain at the instant, its last entry the newest
+    pause_s: float  # how long the source's vCPUs stood still
+
+    @property
+    def ram(self) -> Path:
+        return self.folder / "ram"
+
+    @property
+    def state(self) -> Path:
+        return self.folder / "state"
 
 
 class LocalRuntime:
@@ -76,12 +114,17 @@ class LocalRuntime:
         self.vms_dir = vms_dir(self.home)
         self.layers_dir = self.home / "layers"
         self.shm_dir = shm_dir(self.home)
-        for folder in (self.vms_dir, self.layers_dir, self.shm_dir):
+        self.captures_dir = self.shm_dir / "captures"
+        for folder in (self.vms_dir, self.layers_dir, self.shm_dir, self.captures_dir):
             folder.mkdir(parents=True, exist_ok=True)
         self.accelerator = accelerator or detect_accelerator()
         self._machines: dict[str, Machine] = {}
         self._agents: dict[str, AgentClient] = {}
+        self._monitors: dict[str, Monitor] = {}
         self._layers_lock = asyncio.Lock()
+        self._capture_locks: dict[str, asyncio.Lock] = {}
+        self._next_capture: dict[str, asyncio.Future] = {}
+        self._captures_in_use: collections.Counter[str] = collections.Counter()
         log.info("runtime accelerator=%s reason=%r", self.accelerator.name, self.accelerator.reason)
 
     # -- paths ------------------------------------------------------------------------
@@ -97,11 +140,13 @@ class LocalRuntime:
 
     def _launch(self, machine: Machine, image: Image, **overrides: Any) -> Launch:
         run_dir = self._run_dir(machine.id)
+        capture = machine.ram_capture
         values: dict[str, Any] = dict(
             name=machine.id,
             run_dir=run_dir,
-            ram_file=run_dir / "ram",
-            ram_shared=True,
+            ram_file=self.captures_dir / capture / "ram" if capture else run_dir / "ram",
+            ram_shared=capture is None,
+            incoming=capture is not None,
             disk=self.layers_dir / machine.disk_top,
             kernel=image.kernel,
             initrd=image.initrd,
@@ -110,7 +155,6 @@ class LocalRuntime:
             vcpus=machine.spec.vcpus,
             memory_mib=machine.spec.memory_mib,
             isolated=machine.spec.isolated,
-            bios=QBOOT if QBOOT.exists() else None,
         )
         values.update(overrides)
         return Launch(**values)
@@ -141,6 +185,7 @@ class LocalRuntime:
             raise InvalidInput(f"id: {vm_id!r} is not a valid machine id", field="id")
         if self._vm_dir(vm_id).exists():
             raise Conflict(f"machine {vm_id}: already exists", field="id")
+        qemu_binary()  # before anything else: no QEMU is the most basic thing to report
         image = load_image(spec.image, home=self.home)
         self._check_room(spec)
         machine = Machine(id=vm_id, spec=spec, image_path=str(image.path), disk_top=f"{vm_id}-{secrets.token_hex(4)}.qcow2")
@@ -209,6 +254,8 @@ class LocalRuntime:
                     )
                 await asyncio.wait({connecting}, timeout=0.1)
             connecting.result()
+            # A fork or a restored machine wakes with the clock of its capture.
+            await agent.set_time()
         except AgentUnavailable:
             raise Timeout(
                 f"machine {vm_id}: not ready after {timeout:.0f} s; console: {self._console_tail(vm_id)}"
@@ -240,30 +287,41 @@ class LocalRuntime:
         agent = self._agents.pop(vm_id, None)
         if agent is not None:
             await agent.close()
+        monitor = self._monitors.pop(vm_id, None)
+        if monitor is not None:
+            await monitor.close()
         pid = machine.pid if machine else read_pid(self._run_dir(vm_id) / "qemu.pid")
         await kill_qemu(pid, self._marker(vm_id))
         shutil.rmtree(self._run_dir(vm_id), ignore_errors=True)
         shutil.rmtree(self._vm_dir(vm_id), ignore_errors=True)
-        await self.collect_layers()
+        await self.collect_garbage()
 
-    async def collect_layers(self) -> None:
-        """Remove disk layers that no machine's chain uses any more."""
+    async def collect_garbage(self) -> None:
+        """Remove disk layers and captures that no machine uses any more."""
         async with self._layers_lock:
-            used: set[str] = set()
+            layers: set[str] = set()
+            captures: set[str] = set(self._captures_in_use)
             for record in self.vms_dir.glob("*/machine.json"):
                 with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
                     data = json.loads(record.read_text())
-                    used.add(data["disk_top"])
-                    used.update(data.get("disk_frozen", []))
+                    layers.add(data["disk_top"])
+                    layers.update(data.get("disk_frozen", []))
+                    captures.add(data.get("ram_capture") or "")
             for layer in self.layers_dir.glob("*.qcow2"):
-                if layer.name not in used:
+                if layer.name not in layers:
                     layer.unlink(missing_ok=True)
+            for capture in self.captures_dir.iterdir():
+                if capture.name not in captures:
+                    shutil.rmtree(capture, ignore_errors=True)
 
     async def close(self) -> None:
         """Let go of connections; machines keep running (they outlive the daemon)."""
         for agent in list(self._agents.values()):
             await agent.close()
         self._agents.clear()
+        for monitor in list(self._monitors.values()):
+            await monitor.close()
+        self._monitors.clear()
 
     # -- inside the guest -------------------------------------------------------------
 
@@ -280,7 +338,7 @@ class LocalRuntime:
             yield event
 
     async def write_file(
-        self, vm_id: str, path: str, chunks: AsyncIterator[bytes], *, mode: int | None = None, user: str | None = None
+        self, vm_id: str, path: str, chunks: AsyncIterator[bytes], *, mode: int | None = None, user: str = DEFAULT_USER
     ) -> int:
         return await self._agent(vm_id).write_file(path, chunks, mode=mode, user=user)
 
@@ -295,3 +353,159 @@ class LocalRuntime:
         answer.pop("id", None)
         answer.pop("type", None)
         return answer
+
+    # -- fork -------------------------------------------------------------------------
+
+    async def _monitor(self, vm_id: str) -> Monitor:
+        monitor = self._monitors.get(vm_id)
+        if monitor is None or not monitor.connected:
+            if monitor is not None:
+                await monitor.close()
+            monitor = Monitor(self._run_dir(vm_id) / "qmp.sock", vm_id)
+            await monitor.connect()
+            self._monitors[vm_id] = monitor
+        return monitor
+
+    async def fork(self, source_id: str, new_ids: list[str]) -> list[VMInfo]:
+        """New machines that continue from one instant of a running machine.
+
+        Forks asked for while no capture of the source is under way share the next one,
+        so a burst of forks pauses the source once.
+        """
+        source = self._machine(source_id)
+        for new_id in new_ids:
+            if not VM_ID.match(new_id):
+                raise InvalidInput(f"id: {new_id!r} is not a valid machine id", field="id")
+            if new_id in self._machines or self._vm_dir(new_id).exists():
+                raise Conflict(f"machine {new_id}: already exists", field="id")
+        if not process_alive(source.pid, self._marker(source_id)):
+            raise Conflict(f"machine {source_id}: not running, so it cannot be forked")
+        capture = await self._shared_capture(source)
+        self._captures_in_use[capture.id] += 1
+        try:
+            results = await asyncio.gather(
+                *(self._start_clone(source, capture, new_id) for new_id in new_ids), return_exceptions=True
+            )
+        finally:
+            self._captures_in_use[capture.id] -= 1
+            if self._captures_in_use[capture.id] <= 0:
+                del self._captures_in_use[capture.id]
+        failures = [result for result in results if isinstance(result, BaseException)]
+        if failures:
+            for new_id, result in zip(new_ids, results):
+                if not isinstance(result, BaseException):
+                    await self._remove(new_id)
+            await self.collect_garbage()
+            raise failures[0]
+        return list(results)
+
+    async def _shared_capture(self, source: Machine) -> Capture:
+        waiting = self._next_capture.get(source.id)
+        if waiting is None:
+            waiting = self._next_capture[source.id] = asyncio.get_running_loop().create_future()
+            asyncio.create_task(self._take_capture(source, waiting))
+        return await asyncio.shield(waiting)
+
+    async def _take_capture(self, source: Machine, waiting: asyncio.Future) -> None:
+        lock = self._capture_locks.setdefault(source.id, asyncio.Lock())
+        async with lock:
+            # From here on, new fork requests wait for the capture after this one.
+            self._next_capture.pop(source.id, None)
+            try:
+                waiting.set_result(await self._capture(source))
+            except asyncio.CancelledError:
+                waiting.cancel()
+                raise
+            except Exception as error:
+                waiting.set_exception(error)
+                waiting.exception()  # marked retrieved: waiters that went away leave no warning
+
+    async def _capture(self, source: Machine) -> Capture:
+        """Freeze one instant of ``source``: its RAM, its device state and its disk.
+
+        The source stands still while its device state is saved (RAM is left out of it:
+        it lives in a shared file) and while that RAM file is copied; the copy is what
+        forks map copy-on-write, so the source may go on writing its own file.
+        Live migration into a waiting QEMU would keep the pause short whatever the RAM
+        size, but under TCG on QEMU 7.2 it produced captures with stale pages (forks
+        whose kernel crashed), so the capture is taken with the source stopped.
+        """
+        capture_id = f"{source.id}-{secrets.token_hex(4)}"
+        folder = self.captures_dir / capture_id
+        folder.mkdir(parents=True)
+        self._captures_in_use[capture_id] += 1
+        monitor = await self._monitor(source.id)
+        try:
+            await monitor.execute("stop")
+            paused_at = time.monotonic()
+            try:
+                disk_frozen = await self._freeze_disk(source, monitor)
+                await set_capabilities(monitor, x_ignore_shared=True)
+                await monitor.execute("migrate", {"uri": f"exec:cat > {folder / 'state'}"})
+                await wait_migration(monitor, {"completed"})
+                await self._freeze_ram(source, folder / "ram")
+            finally:
+                await monitor.execute("cont")
+            pause_s = time.monotonic() - paused_at
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        finally:
+            self._captures_in_use[capture_id] -= 1
+            if self._captures_in_use[capture_id] <= 0:
+                del self._captures_in_use[capture_id]
+        log.info("capture taken source=%s capture=%s pause_ms=%.1f", source.id, capture_id, pause_s * 1000)
+        return Capture(id=capture_id, folder=folder, disk_frozen=disk_frozen, pause_s=pause_s)
+
+    async def _freeze_ram(self, source: Machine, destination: Path) -> None:
+        if source.ram_capture:
+            # A fork's RAM maps a capture that never changes, and what it changed since is
+            # in the device state it just saved (private RAM is not left out of it).
+            os.link(self.captures_dir / source.ram_capture / "ram", destination)
+        else:
+            await run_tool("cp", "--sparse=auto", str(self._run_dir(source.id) / "ram"), str(destination))
+
+    async def _freeze_disk(self, source: Machine, monitor: Monitor) -> list[str]:
+        """Make the source's top layer read-only and give it a new one; returns the frozen chain."""
+        token = secrets.token_hex(4)
+        new_top, new_node = f"{source.id}-{token}.qcow2", f"top-{token}"
+        await monitor.execute(
+            "blockdev-snapshot-sync",
+            {
+                "node-name": source.top_node,
+                "snapshot-file": str(self.layers_dir / new_top),
+                "snapshot-node-name": new_node,
+                "format": "qcow2",
+            },
+        )
+        source.disk_frozen.append(source.disk_top)
+        source.disk_top, source.top_node = new_top, new_node
+        self._save(source)
+        return list(source.disk_frozen)
+
+    async def _start_clone(self, source: Machine, capture: Capture, new_id: str) -> VMInfo:
+        image = load_image(source.image_path, home=self.home)
+        clone = Machine(
+            id=new_id,
+            spec=source.spec,
+            image_path=source.image_path,
+            disk_top=f"{new_id}-{secrets.token_hex(4)}.qcow2",
+            disk_frozen=list(capture.disk_frozen),
+            ram_capture=capture.id,
+        )
+        self._vm_dir(new_id).mkdir(parents=True)
+        self._machines[new_id] = clone
+        try:
+            await create_overlay(self.layers_dir / clone.disk_top, self.layers_dir / capture.disk_frozen[-1])
+            self._save(clone)
+            clone.pid = await start_qemu(self._launch(clone, image))
+            monitor = await self._monitor(new_id)
+            await set_capabilities(monitor, x_ignore_shared=True)
+            await monitor.execute("migrate-incoming", {"uri": f"exec:cat {capture.state}"})
+            await wait_incoming(monitor)
+            await monitor.execute("cont")
+        except BaseException:
+            await self._remove(new_id)
+            raise
+        log.info("fork started source=%s id=%s pid=%s", source.id, new_id, clone.pid)
+        return await self.info(new_id)

@@ -63,7 +63,6 @@ class Launch:
     isolated: bool
     incoming: bool = False  # wait for a migration stream instead of booting
     host_forwards: tuple[tuple[int, int], ...] = ()  # (host port, guest port)
-    bios: Path | None = None
 
     @property
     def qmp_socket(self) -> Path:
@@ -119,8 +118,7 @@ class Launch:
             "-serial", "chardev:console",
             "-no-reboot",
         ]
-        if self.bios is not None:
-            args += ["-bios", str(self.bios)]
+        # SeaBIOS, not qboot: qboot is faster but never boots with a vmgenid device.
         if self.incoming:
             # -S: stay paused after the state arrives, so the clock and identity can be
             # set before the guest runs a single instruction.
@@ -201,6 +199,10 @@ class Monitor:
                 self.client = QMPClient(self.name)
                 await asyncio.sleep(0.01)
 
+    @property
+    def connected(self) -> bool:
+        return self.client.runstate.name == "RUNNING"
+
     async def execute(self, command: str, arguments: dict[str, Any] | None = None) -> Any:
         try:
             return await self.client.execute(command, arguments)
@@ -253,3 +255,42 @@ async def create_overlay(path: Path, backing: Path, size_gib: int | None = None)
     if size_gib is not None:
         argv.append(f"{size_gib}G")
     await run_tool(*argv)
+
+
+async def wait_migration(monitor: Monitor, until: set[str], timeout: float = 120.0) -> dict[str, Any]:
+    """Poll ``query-migrate`` until its status is one of ``until``; a failure raises."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = await monitor.execute("query-migrate")
+        state = status.get("status", "none")
+        if state in until:
+            return status
+        if state in {"failed", "cancelled"}:
+            raise VMError(f"machine {monitor.name}: migration {state}: {status.get('error-desc', '')}")
+        if time.monotonic() >= deadline:
+            raise VMError(f"machine {monitor.name}: migration still {state} after {timeout:.0f} s")
+        await asyncio.sleep(0.002)
+
+
+async def wait_incoming(monitor: Monitor, timeout: float = 60.0) -> None:
+    """Until a QEMU started with ``-incoming`` has loaded its state (it then sits paused)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = (await monitor.execute("query-status"))["status"]
+        if status not in {"inmigrate", "prelaunch"}:
+            if status != "paused":
+                raise VMError(f"machine {monitor.name}: incoming migration ended in state {status}")
+            return
+        migration = await monitor.execute("query-migrate")
+        if migration.get("status") == "failed":
+            raise VMError(f"machine {monitor.name}: incoming migration failed: {migration.get('error-desc', '')}")
+        if time.monotonic() >= deadline:
+            raise VMError(f"machine {monitor.name}: incoming migration not done after {timeout:.0f} s")
+        await asyncio.sleep(0.002)
+
+
+async def set_capabilities(monitor: Monitor, **capabilities: bool) -> None:
+    await monitor.execute(
+        "migrate-set-capabilities",
+        {"capabilities": [{"capability": name.replace("_", "-"), "state": on} for name, on in capabilities.items()]},
+    )

@@ -1,0 +1,90 @@
+"""Forks of running machines: the seed's left-hand column, checked on real VMs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from boxd.runtime.interface import ExecRequest
+
+pytestmark = pytest.mark.vm
+
+COUNTER = (
+    "nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done' "
+    ">/dev/null 2>&1 & echo $!"
+)
+
+
+async def sh(runtime, vm_id: str, command: str) -> str:
+    events = [event async for event in runtime.exec(vm_id, ExecRequest(shell=command))]
+    assert events[-1].exit_code == 0, (command, events)
+    return b"".join(e.data for e in events if e.kind == "stdout").decode().strip()
+
+
+async def fork_ready(runtime, source: str, new_id: str) -> str:
+    await runtime.fork(source, [new_id])
+    await runtime.wait_ready(new_id, timeout=60)
+    return new_id
+
+
+def test_a_fork_continues_the_same_processes_memory_and_files(machines, runtime):
+    source = machines.new()
+    pid = machines.run(sh(runtime, source, COUNTER))
+    machines.run(sh(runtime, source, "echo before > /home/boxd/before; sleep 0.5"))
+    at_fork = int(machines.run(sh(runtime, source, "cat /tmp/count")))
+
+    fork = machines.track(f"{source}-f")
+    machines.run(fork_ready(runtime, source, fork))
+    machines.run(sh(runtime, source, "echo after > /home/boxd/after"))
+
+    # same process, same PID, its counter going on from where it was
+    assert machines.run(sh(runtime, fork, f"cat /proc/{pid}/cmdline | tr '\\0' ' '")).startswith("sh -c")
+    machines.run(asyncio.sleep(0.5))
+    assert int(machines.run(sh(runtime, fork, "cat /tmp/count"))) > at_fork
+    assert machines.run(sh(runtime, fork, "cat /home/boxd/before")) == "before"
+    assert machines.run(sh(runtime, fork, "ls /home/boxd/after 2>/dev/null || echo absent")) == "absent"
+    # the fork's clock was set to now, not left at the capture's instant
+    guest_now = float(machines.run(sh(runtime, fork, "date +%s.%N")))
+    assert abs(guest_now - time.time()) < 2
+
+
+def test_forks_diverge_and_never_share_files_or_random_numbers(machines, runtime):
+    source = machines.new()
+    a, b = machines.track(f"{source}-a"), machines.track(f"{source}-b")
+    machines.run(asyncio.gather(fork_ready(runtime, source, a), fork_ready(runtime, source, b)))
+
+    machines.run(sh(runtime, a, "echo only-a > /home/boxd/mine"))
+    assert machines.run(sh(runtime, b, "cat /home/boxd/mine 2>/dev/null || echo absent")) == "absent"
+    assert machines.run(sh(runtime, source, "cat /home/boxd/mine 2>/dev/null || echo absent")) == "absent"
+    uuids = {machines.run(sh(runtime, vm, "cat /proc/sys/kernel/random/uuid")) for vm in (a, b, source)}
+    assert len(uuids) == 3
+    urandom = {machines.run(sh(runtime, vm, "head -c 16 /dev/urandom | od -An -tx1")) for vm in (a, b)}
+    assert len(urandom) == 2
+
+
+def test_eight_concurrent_forks_become_ready_and_outlive_their_source(machines, runtime):
+    source = machines.new()
+    machines.run(sh(runtime, source, "echo warm > /home/boxd/state"))
+    forks = [machines.track(f"{source}-{n}") for n in range(8)]
+    machines.run(asyncio.gather(*(fork_ready(runtime, source, fork) for fork in forks)), timeout=300)
+
+    machines.run(runtime.delete(source))
+    states = machines.run(asyncio.gather(*(sh(runtime, fork, "cat /home/boxd/state") for fork in forks)))
+    assert states == ["warm"] * 8
+
+
+def test_a_fork_of_a_fork(machines, runtime):
+    source = machines.new()
+    pid = machines.run(sh(runtime, source, COUNTER))
+    child = machines.track(f"{source}-c")
+    machines.run(fork_ready(runtime, source, child))
+    machines.run(sh(runtime, child, "echo from-child > /home/boxd/child"))
+    grandchild = machines.track(f"{source}-g")
+    machines.run(fork_ready(runtime, child, grandchild))
+
+    assert machines.run(sh(runtime, grandchild, "cat /home/boxd/child")) == "from-child"
+    assert machines.run(sh(runtime, grandchild, f"test -d /proc/{pid} && echo alive")) == "alive"
+    machines.run(runtime.delete(child))
+    assert machines.run(sh(runtime, grandchild, "cat /home/boxd/child")) == "from-child"
