@@ -23,6 +23,10 @@ async def sh(runtime, vm_id: str, command: str) -> str:
     return b"".join(e.data for e in events if e.kind == "stdout").decode().strip()
 
 
+async def gather(*coroutines):
+    return await asyncio.gather(*coroutines)
+
+
 async def fork_ready(runtime, source: str, new_id: str) -> str:
     await runtime.fork(source, [new_id])
     await runtime.wait_ready(new_id, timeout=60)
@@ -53,7 +57,7 @@ def test_a_fork_continues_the_same_processes_memory_and_files(machines, runtime)
 def test_forks_diverge_and_never_share_files_or_random_numbers(machines, runtime):
     source = machines.new()
     a, b = machines.track(f"{source}-a"), machines.track(f"{source}-b")
-    machines.run(asyncio.gather(fork_ready(runtime, source, a), fork_ready(runtime, source, b)))
+    machines.run(gather(fork_ready(runtime, source, a), fork_ready(runtime, source, b)))
 
     machines.run(sh(runtime, a, "echo only-a > /home/boxd/mine"))
     assert machines.run(sh(runtime, b, "cat /home/boxd/mine 2>/dev/null || echo absent")) == "absent"
@@ -68,10 +72,10 @@ def test_eight_concurrent_forks_become_ready_and_outlive_their_source(machines, 
     source = machines.new()
     machines.run(sh(runtime, source, "echo warm > /home/boxd/state"))
     forks = [machines.track(f"{source}-{n}") for n in range(8)]
-    machines.run(asyncio.gather(*(fork_ready(runtime, source, fork) for fork in forks)), timeout=300)
+    machines.run(gather(*(fork_ready(runtime, source, fork) for fork in forks)), timeout=300)
 
     machines.run(runtime.delete(source))
-    states = machines.run(asyncio.gather(*(sh(runtime, fork, "cat /home/boxd/state") for fork in forks)))
+    states = machines.run(gather(*(sh(runtime, fork, "cat /home/boxd/state") for fork in forks)))
     assert states == ["warm"] * 8
 
 
