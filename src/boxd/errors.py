@@ -55,6 +55,27 @@ class QuotaExceeded(BoxdError):
     status = 429
 
 
+class Forbidden(BoxdError):
+    """The caller is known but may not do this here (admin calls over TCP)."""
+
+    code = "forbidden"
+    status = 403
+
+
+class TooLarge(BoxdError):
+    """A request body is over the daemon's limit; ``field`` names what was too large."""
+
+    code = "too_large"
+    status = 413
+
+
+class DaemonUnavailable(BoxdError):
+    """The SDK could not reach a daemon (or start the local one)."""
+
+    code = "daemon_unavailable"
+    status = 503
+
+
 class AuthError(BoxdError):
     code = "unauthorized"
     status = 401

@@ -86,5 +86,8 @@ class Runtime(Protocol):
     async def fs(self, vm_id: str, op: str, **fields: Any) -> dict[str, Any]:
         """stat, list_dir, make_dir, remove, move: the agent's small file operations."""
 
+    async def fork(self, source_id: str, new_ids: list[str]) -> list[VMInfo]:
+        """New machines continuing from one instant of a running one; they run, not yet ready."""
+
     async def delete(self, vm_id: str) -> None:
         """Stop the machine if it runs and remove every process, socket and file of it."""

@@ -1,0 +1,88 @@
+"""The ``boxd`` command.
+
+Every error comes out as one line, ``error: <message>``, with exit status 1, and 2 for
+a usage error; ``boxd machine exec`` exits with the command's own status.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from typing import Any
+
+import click
+
+from boxd.cli.admin import accounts, keys
+from boxd.cli.machine import machine
+from boxd.daemon import DEFAULT_PORT
+from boxd.errors import BoxdError
+
+# Commands whose module is imported only when used (and may be absent from a build).
+_LAZY_COMMANDS = {"image": "boxd.cli.image_cmd"}
+
+
+def _fail(message: str, status: int) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(status)
+
+
+class BoxdCommand(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        present = [name for name, module in _LAZY_COMMANDS.items() if importlib.util.find_spec(module)]
+        return sorted([*super().list_commands(ctx), *present])
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        module = _LAZY_COMMANDS.get(name)
+        if module is not None and importlib.util.find_spec(module):
+            return getattr(importlib.import_module(module), name)
+        return super().get_command(ctx, name)
+
+    def main(self, args: Any = None, prog_name: str | None = None, **extra: Any) -> Any:
+        try:
+            result = super().main(args, prog_name, standalone_mode=False, **extra)
+        except click.UsageError as error:
+            where = f" (see: {error.ctx.command_path} --help)" if error.ctx else ""
+            _fail(error.format_message() + where, 2)
+        except click.ClickException as error:
+            _fail(error.format_message(), error.exit_code)
+        except BoxdError as error:
+            _fail(error.message, 1)
+        except (click.Abort, KeyboardInterrupt):
+            _fail("interrupted", 130)
+        sys.exit(result if isinstance(result, int) else 0)
+
+
+@click.group(cls=BoxdCommand)
+@click.version_option(package_name="boxd")
+def cli() -> None:
+    """boxd: microVMs you can fork while they run.
+
+    Without BOXD_URL, commands talk to the local daemon of BOXD_HOME and start it if
+    it is not running.
+    """
+
+
+@cli.command()
+@click.option("--port", type=int, default=DEFAULT_PORT, show_default=True, envvar="BOXD_PORT")
+@click.option("--host", default="127.0.0.1", show_default=True, envvar="BOXD_HOST")
+@click.option(
+    "--max-upload", type=int, default=2 * 1024**3, show_default=True, envvar="BOXD_MAX_UPLOAD",
+    help="largest file upload accepted, in bytes",
+)
+def serve(port: int, host: str, max_upload: int) -> None:
+    """Run the daemon: HTTP on HOST:PORT and the unix socket BOXD_HOME/boxd.sock."""
+    from boxd.config import boxd_home
+    from boxd.daemon.machines import Limits
+    from boxd.daemon.server import run
+
+    run(boxd_home(), host=host, port=port, limits=Limits(max_upload_bytes=max_upload))
+
+
+cli.add_command(machine)
+cli.add_command(keys)
+cli.add_command(accounts)
+
+
+def main() -> None:
+    cli.main(prog_name="boxd")

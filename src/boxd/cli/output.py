@@ -1,0 +1,69 @@
+"""How the CLI shows things: rich tables on stdout, one-line errors on stderr."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+
+from rich.console import Console
+from rich.table import Table
+
+from boxd.models import Account, ApiKey, Machine
+
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+
+def _when(moment: datetime | None) -> str:
+    return "" if moment is None else moment.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+
+
+def table(columns: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
+    grid = Table(*columns, box=None, pad_edge=False, header_style="bold")
+    for row in rows:
+        grid.add_row(*("" if value is None else str(value) for value in row))
+    out.print(grid)
+
+
+def fields(pairs: dict[str, object]) -> None:
+    grid = Table.grid(padding=(0, 2))
+    for key, value in pairs.items():
+        grid.add_row(f"[bold]{key}[/bold]", "" if value is None else str(value))
+    out.print(grid)
+
+
+def machine(item: Machine) -> None:
+    fields(
+        {
+            "id": item.id,
+            "name": item.name,
+            "state": item.state.value,
+            "vcpus": item.vcpus,
+            "memory": f"{item.memory_mib} MiB",
+            "disk": f"{item.disk_gib} GiB",
+            "isolated": "yes" if item.isolated else "no",
+            "created": _when(item.created_at),
+            **({"reason": item.reason} if item.reason else {}),
+        }
+    )
+
+
+def machines(items: Iterable[Machine]) -> None:
+    table(
+        ["NAME", "ID", "STATE", "VCPUS", "MEMORY", "DISK", "CREATED"],
+        [
+            (m.name, m.id, m.state.value, m.vcpus, f"{m.memory_mib} MiB", f"{m.disk_gib} GiB", _when(m.created_at))
+            for m in items
+        ],
+    )
+
+
+def keys(items: Iterable[ApiKey]) -> None:
+    table(
+        ["ID", "ACCOUNT", "NAME", "CREATED", "REVOKED"],
+        [(k.id, k.account, k.name, _when(k.created_at), _when(k.revoked_at)) for k in items],
+    )
+
+
+def accounts(items: Iterable[Account]) -> None:
+    table(["NAME", "MAX MACHINES", "CREATED"], [(a.name, a.max_machines, _when(a.created_at)) for a in items])

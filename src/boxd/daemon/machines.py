@@ -1,0 +1,330 @@
+"""Machine lifecycle policy: what the daemon does between a route and the VM runtime.
+
+A machine is recorded ``starting`` (the quota check and the name check happen in that
+same transaction), then the runtime starts its QEMU, then a background task waits for
+its agent and marks it ``running``, or ``failed`` with the reason. Commands and file
+transfers on a machine that is still starting wait for it, up to ``ready_timeout_s``.
+Machines outlive the daemon: a new daemon re-adopts each one the store says is alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from boxd.daemon.logs import event
+from boxd.daemon.store import Store
+from boxd.errors import BoxdError, Conflict, InvalidInput, NotFound, Timeout, VMError
+from boxd.models import ExecBody, ExecEvent, ExecResult, Machine, MachineCreate, MachineFork, MachineState
+from boxd.runtime.interface import ExecRequest, Runtime, VMSpec, VMState
+
+log = logging.getLogger(__name__)
+
+
+class ClosableRuntime(Runtime, Protocol):
+    async def close(self) -> None:
+        """Let go of connections; the machines keep running."""
+
+
+def _host_cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def _host_memory_mib() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1024 * 1024)
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_vcpus: int = field(default_factory=_host_cores)
+    # Half the host's RAM, so that one machine can never starve the host.
+    max_memory_mib: int = field(default_factory=lambda: _host_memory_mib() // 2)
+    max_upload_bytes: int = 2 * 1024**3
+    ready_timeout_s: float = 120.0
+
+
+class ImageCache:
+    """The guest image's digest, built (or found on disk) once, on the first create.
+
+    Building takes about 90 s the first time, so it happens lazily and under a lock:
+    concurrent first creates wait for one build instead of starting several.
+    """
+
+    def __init__(self, build: Callable[[], str]) -> None:
+        self._build = build
+        self._digest: str | None = None
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    def default(cls, home: Path) -> ImageCache:
+        def build() -> str:
+            from boxd.guest.image import ImageRecipe, ensure_image
+
+            return ensure_image(ImageRecipe(), home=home).digest
+
+        return cls(build)
+
+    async def digest(self) -> str:
+        async with self._lock:
+            if self._digest is None:
+                self._digest = await asyncio.to_thread(self._build)
+            return self._digest
+
+
+def new_machine_id() -> str:
+    return f"m-{secrets.token_hex(6)}"
+
+
+def _reason(error: BaseException) -> str:
+    return error.message if isinstance(error, BoxdError) else f"{type(error).__name__}: {error}"
+
+
+def _exit_code(exit_code: int | None, signal: int | None) -> int:
+    # The shell's convention, so that the CLI can exit with it: 128 + N for signal N.
+    return exit_code if exit_code is not None else 128 + (signal or 0)
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+class MachineService:
+    def __init__(self, store: Store, runtime: ClosableRuntime, *, images: ImageCache, limits: Limits) -> None:
+        self._store = store
+        self._runtime = runtime
+        self._images = images
+        self.limits = limits
+        self._becoming_ready: dict[str, asyncio.Task] = {}
+        # Create and delete of one machine never overlap.
+        self._lifecycle_locks: dict[str, asyncio.Lock] = {}
+
+    # -- startup and shutdown ---------------------------------------------------------
+
+    async def recover(self) -> None:
+        """Re-adopt every machine the store says is alive; a dead one becomes ``failed``."""
+        for machine in self._store.alive_machines():
+            try:
+                info = await self._runtime.adopt(machine.id)
+            except BoxdError as error:
+                self._fail(machine.id, f"lost while the daemon was down: {error.message}")
+                continue
+            if info.state is VMState.FAILED:
+                self._fail(machine.id, "its process exited while the daemon was down")
+            elif machine.state is MachineState.STARTING:
+                self._watch_readiness(machine.id)
+            elif machine.state.value != info.state.value:  # the runtime knows best
+                self._store.update_machine(machine.id, state=MachineState(info.state.value))
+            event(log, "machine.adopted", machine=machine.id, state=info.state.value, pid=info.pid)
+
+    async def close(self) -> None:
+        """Stop watching and let go of the runtime; the machines keep running for the next daemon."""
+        tasks = list(self._becoming_ready.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._runtime.close()
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def _check_host_limits(self, request: MachineCreate) -> None:
+        if request.vcpus > self.limits.max_vcpus:
+            raise InvalidInput(
+                f"vcpus: at most {self.limits.max_vcpus} (this host's cores), got {request.vcpus}", field="vcpus"
+            )
+        if request.memory_mib > self.limits.max_memory_mib:
+            raise InvalidInput(
+                f"memory_mib: at most {self.limits.max_memory_mib} (half this host's RAM), got {request.memory_mib}",
+                field="memory_mib",
+            )
+
+    def _lock(self, machine_id: str) -> asyncio.Lock:
+        return self._lifecycle_locks.setdefault(machine_id, asyncio.Lock())
+
+    async def create(self, account: str, request: MachineCreate) -> Machine:
+        self._check_host_limits(request)
+        machine = self._store.add_machine(account, new_machine_id(), request)
+        event(log, "machine.creating", machine=machine.id, account=account, name=machine.name)
+        async with self._lock(machine.id):
+            try:
+                image = await self._images.digest()
+                self._store.update_machine(machine.id, image=image)
+                spec = VMSpec(
+                    image=image,
+                    vcpus=request.vcpus,
+                    memory_mib=request.memory_mib,
+                    disk_gib=request.disk_gib,
+                    isolated=request.isolated,
+                )
+                info = await self._runtime.create(machine.id, spec)
+            except BaseException as error:
+                self._fail(machine.id, _reason(error))
+                raise
+            event(log, "machine.started", machine=machine.id, pid=info.pid, accelerator=info.accelerator)
+            self._watch_readiness(machine.id)
+        return self._store.find_machine(account, machine.id)
+
+    async def fork(self, account: str, ref: str, request: MachineFork) -> Machine:
+        """A new machine continuing from this instant of a running one; counts against the quota."""
+        source = await self._usable(account, ref)
+        copy = MachineCreate(
+            name=request.name,
+            vcpus=source.vcpus,
+            memory_mib=source.memory_mib,
+            disk_gib=source.disk_gib,
+            isolated=source.isolated,
+        )
+        machine = self._store.add_machine(account, new_machine_id(), copy, parent=source.id, image=source.image)
+        event(log, "machine.forking", machine=machine.id, source=source.id, account=account, name=machine.name)
+        async with self._lock(machine.id):
+            try:
+                (info,) = await self._runtime.fork(source.id, [machine.id])
+            except BaseException as error:
+                self._fail(machine.id, _reason(error))
+                raise
+            event(log, "machine.forked", machine=machine.id, source=source.id, pid=info.pid)
+            self._watch_readiness(machine.id)
+        return self._store.find_machine(account, machine.id)
+
+    def _fail(self, machine_id: str, reason: str) -> Machine | None:
+        failed = self._store.update_machine(machine_id, state=MachineState.FAILED, reason=reason)
+        event(log, "machine.failed", level=logging.WARNING, machine=machine_id, reason=reason)
+        return failed
+
+    def _watch_readiness(self, machine_id: str) -> None:
+        task = asyncio.create_task(self._become_ready(machine_id), name=f"ready-{machine_id}")
+        self._becoming_ready[machine_id] = task
+        task.add_done_callback(lambda _: self._becoming_ready.pop(machine_id, None))
+
+    async def _become_ready(self, machine_id: str) -> None:
+        started = time.monotonic()
+        try:
+            await self._runtime.wait_ready(machine_id, self.limits.ready_timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            self._fail(machine_id, _reason(error))
+            return
+        if self._store.update_machine(machine_id, state=MachineState.RUNNING, only_from=MachineState.STARTING):
+            event(log, "machine.ready", machine=machine_id, boot_s=round(time.monotonic() - started, 2))
+
+    async def _refreshed(self, machine: Machine) -> Machine:
+        """The machine, marked ``failed`` first if its process died behind our back."""
+        if machine.state not in (MachineState.RUNNING, MachineState.PAUSED):
+            return machine
+        try:
+            info = await self._runtime.info(machine.id)
+        except NotFound:
+            info = None
+        if info is None or info.state is VMState.FAILED:
+            reason = "its process exited" + (f"; console log: {info.console_log}" if info else "")
+            return self._fail(machine.id, reason) or machine
+        return machine
+
+    async def get(self, account: str, ref: str) -> Machine:
+        return await self._refreshed(self._store.find_machine(account, ref))
+
+    async def list(self, account: str) -> list[Machine]:
+        return [await self._refreshed(machine) for machine in self._store.list_machines(account)]
+
+    async def delete(self, account: str, ref: str) -> Machine:
+        machine_id = self._store.find_machine(account, ref).id
+        async with self._lock(machine_id):
+            # Found again under the lock: a concurrent delete may have won.
+            machine = self._store.find_machine(account, machine_id)
+            task = self._becoming_ready.pop(machine_id, None)
+            if task is not None:
+                task.cancel()
+            with contextlib.suppress(NotFound):  # the runtime has nothing left of it
+                await self._runtime.delete(machine_id)
+            deleted = self._store.mark_deleted(machine.id)
+        self._lifecycle_locks.pop(machine_id, None)
+        event(log, "machine.deleted", machine=machine_id, account=account)
+        return deleted
+
+    async def wait_ready(self, account: str, ref: str, timeout: float) -> Machine:
+        deadline = time.monotonic() + timeout
+        machine = self._store.find_machine(account, ref)
+        while machine.state is MachineState.STARTING and (remaining := deadline - time.monotonic()) > 0:
+            task = self._becoming_ready.get(machine.id)
+            if task is not None:
+                await asyncio.wait({task}, timeout=remaining)
+            else:  # its create request is still starting the VM
+                await asyncio.sleep(min(0.05, remaining))
+            machine = self._store.find_machine(account, machine.id)
+        machine = await self._refreshed(machine)
+        if machine.state is MachineState.STARTING:
+            raise Timeout(f"machine {machine.name} is not ready after {timeout:g} s", machine=machine.id)
+        if machine.state is not MachineState.RUNNING:
+            raise Conflict(
+                f"machine {machine.name} is {machine.state.value}" + (f": {machine.reason}" if machine.reason else ""),
+                machine=machine.id,
+                state=machine.state.value,
+            )
+        return machine
+
+    async def _usable(self, account: str, ref: str) -> Machine:
+        """A running machine to work in, waiting for it if it is still starting."""
+        return await self.wait_ready(account, ref, self.limits.ready_timeout_s)
+
+    # -- inside the machine -----------------------------------------------------------
+
+    async def exec_stream(self, account: str, ref: str, body: ExecBody) -> AsyncIterator[ExecEvent]:
+        machine = await self._usable(account, ref)
+        request = ExecRequest(
+            argv=body.argv,
+            shell=body.cmd,
+            env=body.env,
+            cwd=body.cwd,
+            user=body.user,
+            stdin=None if body.stdin_b64 is None else base64.b64decode(body.stdin_b64),
+            timeout=body.timeout,
+        )
+        event(log, "machine.exec", machine=machine.id, argv=body.argv, shell=body.cmd, user=body.user)
+        async for item in self._runtime.exec(machine.id, request):
+            if item.kind == "exit":
+                yield ExecEvent(
+                    type="exit", exit_code=_exit_code(item.exit_code, item.signal), timed_out=item.timed_out
+                )
+            elif item.kind == "started":
+                yield ExecEvent(type="started", pid=item.pid)
+            else:
+                yield ExecEvent(type=item.kind, data_b64=_b64(item.data))
+
+    async def exec(self, account: str, ref: str, body: ExecBody) -> ExecResult:
+        started = time.monotonic()
+        output: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
+        async for item in self.exec_stream(account, ref, body):
+            if item.type in output:
+                output[item.type].append(item.data)
+            elif item.type == "exit":
+                return ExecResult(
+                    stdout_b64=_b64(b"".join(output["stdout"])),
+                    stderr_b64=_b64(b"".join(output["stderr"])),
+                    exit_code=item.exit_code,
+                    timed_out=item.timed_out,
+                    duration_s=round(time.monotonic() - started, 3),
+                )
+        raise VMError(f"machine {ref}: the command's output ended without an exit status")
+
+    async def write_file(
+        self, account: str, ref: str, path: str, chunks: AsyncIterator[bytes], *, mode: int | None, user: str
+    ) -> int:
+        machine = await self._usable(account, ref)
+        size = await self._runtime.write_file(machine.id, path, chunks, mode=mode, user=user)
+        event(log, "machine.file_written", machine=machine.id, path=path, size=size)
+        return size
+
+    async def read_file(self, account: str, ref: str, path: str) -> AsyncIterator[bytes]:
+        machine = await self._usable(account, ref)
+        event(log, "machine.file_read", machine=machine.id, path=path)
+        async for chunk in self._runtime.read_file(machine.id, path):
+            yield chunk

@@ -1,0 +1,122 @@
+"""``boxd serve``: one uvicorn server listening on TCP and on the unix socket at once.
+
+The unix socket ``BOXD_HOME/boxd.sock`` (mode 600) is what the local SDK and CLI use, and
+the only place admin calls are served. One daemon per ``BOXD_HOME``: a lock file keeps a
+second one (two SDKs starting a daemon at the same moment) from taking over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import uvicorn
+
+from boxd.daemon import DEFAULT_PORT, local_key_path, logs, socket_path
+from boxd.daemon.app import create_app
+from boxd.daemon.auth import Keys
+from boxd.daemon.machines import ClosableRuntime, ImageCache, Limits, MachineService
+from boxd.daemon.store import Store
+from boxd.errors import HostError
+
+log = logging.getLogger(__name__)
+
+
+@contextmanager
+def _only_daemon(home: Path) -> Iterator[None]:
+    with open(home / "daemon.lock", "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            raise HostError(f"another boxd daemon already serves {home} (pid {lock.read().strip() or '?'})") from None
+        lock.truncate(0)
+        lock.write(str(os.getpid()))
+        lock.flush()
+        yield
+
+
+def _listen_tcp(host: str, port: int) -> socket.socket:
+    try:
+        return socket.create_server((host, port))
+    except OSError as error:
+        raise HostError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+
+
+def _listen_unix(path: Path) -> socket.socket:
+    path.unlink(missing_ok=True)  # left by a daemon that died: we hold the lock now
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    os.chmod(path, 0o600)
+    listener.listen(128)
+    return listener
+
+
+class Daemon:
+    def __init__(
+        self,
+        home: Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int = DEFAULT_PORT,
+        runtime: ClosableRuntime | None = None,
+        images: ImageCache | None = None,
+        limits: Limits | None = None,
+    ) -> None:
+        self.home = home
+        self.host, self.port = host, port
+        self._runtime = runtime
+        self._images = images or ImageCache.default(home)
+        self._limits = limits or Limits()
+        self._server: uvicorn.Server | None = None
+
+    async def serve(self) -> None:
+        self.home.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with _only_daemon(self.home):
+            store = Store(self.home / "boxd.db")
+            try:
+                await self._serve(store)
+            finally:
+                store.close()
+
+    async def _serve(self, store: Store) -> None:
+        keys = Keys(store)
+        # Written before the socket listens: whoever sees the socket answer can read the key.
+        keys.ensure_local_key(local_key_path(self.home))
+        if self._runtime is None:
+            from boxd.runtime.local import LocalRuntime
+
+            self._runtime = LocalRuntime(self.home)
+        machines = MachineService(store, self._runtime, images=self._images, limits=self._limits)
+        unix_path = socket_path(self.home)
+        app = create_app(store=store, keys=keys, machines=machines, local_socket=str(unix_path))
+        listeners = [_listen_tcp(self.host, self.port), _listen_unix(unix_path)]
+        self.port = listeners[0].getsockname()[1]
+        config = uvicorn.Config(app, log_config=None, access_log=False, proxy_headers=False, lifespan="on")
+        self._server = uvicorn.Server(config)
+        logs.event(log, "daemon.listening", tcp=f"{self.host}:{self.port}", socket=unix_path, pid=os.getpid())
+        try:
+            await self._server.serve(sockets=listeners)
+        finally:
+            unix_path.unlink(missing_ok=True)
+            logs.event(log, "daemon.stopped", pid=os.getpid())
+
+    @property
+    def started(self) -> bool:
+        return self._server is not None and self._server.started
+
+    def stop(self) -> None:
+        """Ask the server to finish (safe from any thread); machines keep running."""
+        if self._server is not None:
+            self._server.should_exit = True
+
+
+def run(home: Path, *, host: str, port: int, limits: Limits) -> None:
+    logs.configure()
+    asyncio.run(Daemon(home, host=host, port=port, limits=limits).serve())

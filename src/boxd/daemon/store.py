@@ -1,0 +1,300 @@
+"""The daemon's state: accounts, API keys and machines, in one SQLite file.
+
+WAL with ``synchronous=FULL``: a write the daemon acknowledged is on disk, so a crash
+loses nothing. Every write is one transaction; ``BEGIN IMMEDIATE`` takes the write lock
+up front, which is what makes the quota check and the insert of a machine atomic.
+The schema moves forward by numbered migrations recorded in ``PRAGMA user_version``.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+
+from boxd.errors import Conflict, NotFound, QuotaExceeded
+from boxd.models import ALIVE_STATES, Account, ApiKey, Machine, MachineCreate, MachineState
+
+DEFAULT_MAX_MACHINES = 50
+
+MIGRATIONS: list[str] = [
+    # 1: accounts, keys, machines. A deleted machine keeps its row (history) but frees
+    # its name, hence the partial unique index.
+    """
+    CREATE TABLE accounts (
+        name TEXT PRIMARY KEY,
+        max_machines INTEGER NOT NULL,
+        created_at REAL NOT NULL
+    );
+    CREATE TABLE api_keys (
+        id TEXT PRIMARY KEY,
+        account TEXT NOT NULL REFERENCES accounts(name),
+        name TEXT,
+        secret_sha256 TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        revoked_at REAL
+    );
+    CREATE TABLE machines (
+        id TEXT PRIMARY KEY,
+        account TEXT NOT NULL REFERENCES accounts(name),
+        name TEXT NOT NULL,
+        state TEXT NOT NULL,
+        vcpus INTEGER NOT NULL,
+        memory_mib INTEGER NOT NULL,
+        disk_gib INTEGER NOT NULL,
+        isolated INTEGER NOT NULL,
+        image TEXT,
+        reason TEXT,
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL,
+        deleted_at REAL
+    );
+    CREATE UNIQUE INDEX machines_live_name ON machines(account, name) WHERE deleted_at IS NULL;
+    CREATE INDEX machines_by_state ON machines(account, state);
+    """,
+    """
+    ALTER TABLE machines ADD COLUMN parent TEXT;
+    """,
+]
+
+_ALIVE = tuple(state.value for state in ALIVE_STATES)
+_ALIVE_SQL = ",".join("?" * len(_ALIVE))
+
+
+def _when(epoch: float | None) -> datetime | None:
+    return None if epoch is None else datetime.fromtimestamp(epoch, tz=UTC)
+
+
+def _machine(row: sqlite3.Row) -> Machine:
+    return Machine(
+        id=row["id"],
+        name=row["name"],
+        state=MachineState(row["state"]),
+        vcpus=row["vcpus"],
+        memory_mib=row["memory_mib"],
+        disk_gib=row["disk_gib"],
+        isolated=bool(row["isolated"]),
+        image=row["image"],
+        parent=row["parent"],
+        reason=row["reason"],
+        created_at=_when(row["created_at"]),
+        updated_at=_when(row["updated_at"]),
+    )
+
+
+def _account(row: sqlite3.Row) -> Account:
+    return Account(name=row["name"], max_machines=row["max_machines"], created_at=_when(row["created_at"]))
+
+
+def _key(row: sqlite3.Row) -> ApiKey:
+    return ApiKey(
+        id=row["id"],
+        account=row["account"],
+        name=row["name"],
+        created_at=_when(row["created_at"]),
+        revoked_at=_when(row["revoked_at"]),
+    )
+
+
+class Store:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        # The daemon uses the store from its event loop; tests may touch it from another
+        # thread too, so access is serialized by a lock rather than pinned to one thread.
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._db.row_factory = sqlite3.Row
+        self._lock = threading.Lock()
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.execute("PRAGMA busy_timeout=5000")
+        self._migrate()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @property
+    def schema_version(self) -> int:
+        return self._db.execute("PRAGMA user_version").fetchone()[0]
+
+    def _migrate(self) -> None:
+        for version, script in enumerate(MIGRATIONS, start=1):
+            if self.schema_version < version:
+                # One script per transaction, the version bump included.
+                self._db.executescript(f"BEGIN IMMEDIATE;\n{script}\nPRAGMA user_version = {version};\nCOMMIT;")
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _read(self, sql: str, *args: object) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    # -- accounts ---------------------------------------------------------------------
+
+    def set_account(self, name: str, max_machines: int | None) -> Account:
+        """Create the account, or change its limit; ``None`` keeps it (50 for a new one)."""
+        with self._transaction() as db:
+            db.execute(
+                "INSERT INTO accounts (name, max_machines, created_at) VALUES (?, ?, ?) "
+                "ON CONFLICT(name) DO UPDATE SET max_machines = coalesce(?, max_machines)",
+                (name, DEFAULT_MAX_MACHINES if max_machines is None else max_machines, time.time(), max_machines),
+            )
+            return _account(db.execute("SELECT * FROM accounts WHERE name = ?", (name,)).fetchone())
+
+    def get_account(self, name: str) -> Account:
+        rows = self._read("SELECT * FROM accounts WHERE name = ?", name)
+        if not rows:
+            raise NotFound(f"no account named {name}", field="account")
+        return _account(rows[0])
+
+    def list_accounts(self) -> list[Account]:
+        return [_account(row) for row in self._read("SELECT * FROM accounts ORDER BY name")]
+
+    # -- keys -------------------------------------------------------------------------
+
+    def add_key(self, key_id: str, account: str, name: str | None, secret_sha256: str) -> ApiKey:
+        with self._transaction() as db:
+            if db.execute("SELECT 1 FROM accounts WHERE name = ?", (account,)).fetchone() is None:
+                raise NotFound(
+                    f"no account named {account}; create it with: boxd accounts set {account}", field="account"
+                )
+            db.execute(
+                "INSERT INTO api_keys (id, account, name, secret_sha256, created_at) VALUES (?, ?, ?, ?, ?)",
+                (key_id, account, name, secret_sha256, time.time()),
+            )
+            return _key(db.execute("SELECT * FROM api_keys WHERE id = ?", (key_id,)).fetchone())
+
+    def key_secret(self, key_id: str) -> tuple[str, str] | None:
+        """The account and secret digest of a key that is not revoked, if there is one."""
+        rows = self._read(
+            "SELECT account, secret_sha256 FROM api_keys WHERE id = ? AND revoked_at IS NULL", key_id
+        )
+        return (rows[0]["account"], rows[0]["secret_sha256"]) if rows else None
+
+    def list_keys(self) -> list[ApiKey]:
+        return [_key(row) for row in self._read("SELECT * FROM api_keys ORDER BY created_at, id")]
+
+    def revoke_key(self, key_id: str) -> ApiKey:
+        with self._transaction() as db:
+            db.execute(
+                "UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (time.time(), key_id)
+            )
+            row = db.execute("SELECT * FROM api_keys WHERE id = ?", (key_id,)).fetchone()
+            if row is None:
+                raise NotFound(f"no API key with id {key_id}", field="id")
+            return _key(row)
+
+    # -- machines ---------------------------------------------------------------------
+
+    def add_machine(
+        self, account: str, machine_id: str, request: MachineCreate, *, parent: str | None = None, image: str | None = None
+    ) -> Machine:
+        """Record a new ``starting`` machine, if its name is free and the quota allows it."""
+        with self._transaction() as db:
+            clash = db.execute(
+                "SELECT id, state FROM machines WHERE account = ? AND name = ? AND deleted_at IS NULL",
+                (account, request.name),
+            ).fetchone()
+            if clash is not None:
+                raise Conflict(
+                    f"a machine named {request.name} exists already ({clash['id']}, {clash['state']})",
+                    field="name",
+                )
+            limit = db.execute("SELECT max_machines FROM accounts WHERE name = ?", (account,)).fetchone()[0]
+            running = db.execute(
+                f"SELECT count(*) FROM machines WHERE account = ? AND state IN ({_ALIVE_SQL})", (account, *_ALIVE)
+            ).fetchone()[0]
+            if running >= limit:
+                raise QuotaExceeded(
+                    f"quota exceeded: account {account} may run at most {limit} machines "
+                    f"and {running} are running",
+                    limit=limit,
+                    running=running,
+                )
+            now = time.time()
+            db.execute(
+                "INSERT INTO machines (id, account, name, state, vcpus, memory_mib, disk_gib, isolated,"
+                " parent, image, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    machine_id, account, request.name, MachineState.STARTING.value, request.vcpus,
+                    request.memory_mib, request.disk_gib, int(request.isolated), parent, image, now, now,
+                ),
+            )
+            return _machine(db.execute("SELECT * FROM machines WHERE id = ?", (machine_id,)).fetchone())
+
+    def find_machine(self, account: str, ref: str) -> Machine:
+        """A live machine of this account by id or by name; another account's is not found."""
+        rows = self._read(
+            "SELECT * FROM machines WHERE account = ? AND deleted_at IS NULL AND (id = ? OR name = ?)",
+            account, ref, ref,
+        )
+        if not rows:
+            raise NotFound(f"no machine named or with id {ref}", field="machine")
+        return _machine(rows[0])
+
+    def list_machines(self, account: str) -> list[Machine]:
+        rows = self._read(
+            "SELECT * FROM machines WHERE account = ? AND deleted_at IS NULL ORDER BY created_at, id", account
+        )
+        return [_machine(row) for row in rows]
+
+    def alive_machines(self) -> list[Machine]:
+        """Every account's machines that should have a process: what a restart re-adopts."""
+        rows = self._read(f"SELECT * FROM machines WHERE state IN ({_ALIVE_SQL}) ORDER BY created_at", *_ALIVE)
+        return [_machine(row) for row in rows]
+
+    def update_machine(
+        self,
+        machine_id: str,
+        *,
+        state: MachineState | None = None,
+        reason: str | None = None,
+        image: str | None = None,
+        only_from: MachineState | None = None,
+    ) -> Machine | None:
+        """Change a live machine; with ``only_from``, only if it is in that state still.
+
+        Returns the machine as it is afterwards, or None if it was not changed.
+        """
+        assignments, values = ["updated_at = ?"], [time.time()]
+        if state is not None:
+            assignments.append("state = ?")
+            values.append(state.value)
+            assignments.append("reason = ?")
+            values.append(reason)
+        if image is not None:
+            assignments.append("image = ?")
+            values.append(image)
+        condition = "id = ? AND deleted_at IS NULL"
+        values.append(machine_id)
+        if only_from is not None:
+            condition += " AND state = ?"
+            values.append(only_from.value)
+        with self._transaction() as db:
+            changed = db.execute(f"UPDATE machines SET {', '.join(assignments)} WHERE {condition}", values).rowcount
+            if not changed:
+                return None
+            return _machine(db.execute("SELECT * FROM machines WHERE id = ?", (machine_id,)).fetchone())
+
+    def mark_deleted(self, machine_id: str) -> Machine:
+        now = time.time()
+        with self._transaction() as db:
+            db.execute(
+                "UPDATE machines SET state = ?, deleted_at = ?, updated_at = ? WHERE id = ? AND deleted_at IS NULL",
+                (MachineState.DELETED.value, now, now, machine_id),
+            )
+            return _machine(db.execute("SELECT * FROM machines WHERE id = ?", (machine_id,)).fetchone())

@@ -1,0 +1,334 @@
+"""The SDK itself, asynchronous. ``Boxd`` (sync) is a thin face over this same code.
+
+    async with AsyncBoxd() as boxd:
+        machine = await boxd.machines.new("rl-base")
+        await boxd.machines.wait_until_ready(machine)
+        result = await boxd.machines.exec(machine, "python3 -c 'print(42)'")
+
+Every call that takes a machine accepts a ``Machine`` or its name or id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import os
+from collections.abc import AsyncIterator, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any, TypeVar
+from urllib.parse import quote
+
+import httpx
+from pydantic import BaseModel, TypeAdapter
+
+from boxd import __version__
+from boxd.errors import BoxdError, DaemonUnavailable, InvalidInput, error_from_dict
+from boxd.models import (
+    Account,
+    ApiKey,
+    CreatedKey,
+    ExecEvent,
+    ExecResult,
+    FileWritten,
+    Health,
+    Machine,
+)
+from boxd.sdk.connection import Endpoint, ensure_local_daemon, local_key, resolve_endpoint
+
+DEFAULT_TIMEOUT = 60.0
+# Creating the first machine may build the guest image first (about 90 s, more on a slow host).
+CREATE_TIMEOUT = 900.0
+# On top of a command's own timeout: the daemon may first wait for a starting machine.
+SERVER_MARGIN = 150.0
+UPLOAD_CHUNK = 1024 * 1024
+
+M = TypeVar("M", bound=BaseModel)
+MachineRef = Machine | str
+Content = str | bytes | bytearray | memoryview | IO[bytes]
+
+
+def _machine_path(machine: MachineRef, *rest: str) -> str:
+    ref = machine.id if isinstance(machine, Machine) else machine
+    if not isinstance(ref, str) or not ref:
+        raise InvalidInput(f"machine: expected a Machine or a name or id, got {machine!r}", field="machine")
+    return "/".join(["/v1/machines", quote(ref, safe=""), *rest])
+
+
+def _error_of(response: httpx.Response) -> BoxdError:
+    """The error a daemon answered, rebuilt as its class by its code."""
+    try:
+        body = response.json()["error"]
+        return error_from_dict(body)
+    except (ValueError, KeyError, TypeError):
+        return BoxdError(f"HTTP {response.status_code} from the daemon: {response.text[:300]}")
+
+
+def _exec_body(
+    cmd: str | Sequence[str],
+    *,
+    timeout: float | None,
+    env: Mapping[str, str] | None,
+    cwd: str | None,
+    user: str | None,
+    stdin: str | bytes | None,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"cmd": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
+    if timeout is not None:
+        body["timeout"] = timeout
+    if env:
+        body["env"] = dict(env)
+    if cwd is not None:
+        body["cwd"] = cwd
+    if user is not None:
+        body["user"] = user
+    if stdin is not None:
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        body["stdin_b64"] = base64.b64encode(data).decode()
+    return body
+
+
+def _exec_timeout(command_timeout: float | None) -> httpx.Timeout:
+    # Output may pause for as long as the command likes, so reads wait as long as it may run.
+    read = None if command_timeout is None else command_timeout + SERVER_MARGIN
+    return httpx.Timeout(DEFAULT_TIMEOUT, read=read)
+
+
+async def _chunks_of(handle: IO[bytes]) -> AsyncIterator[bytes]:
+    while chunk := await asyncio.to_thread(handle.read, UPLOAD_CHUNK):
+        yield chunk.encode() if isinstance(chunk, str) else chunk
+
+
+def _upload_body(content: Content) -> bytes | AsyncIterator[bytes]:
+    if isinstance(content, str):
+        return content.encode()
+    if isinstance(content, (bytes, bytearray, memoryview)):
+        return bytes(content)
+    if hasattr(content, "read"):
+        return _chunks_of(content)
+    raise InvalidInput(
+        f"content: expected str, bytes or a binary file object, got {type(content).__name__}", field="content"
+    )
+
+
+class AsyncBoxd:
+    """A client of one boxd daemon.
+
+    ``api_key`` defaults to ``BOXD_API_KEY``, ``base_url`` to ``BOXD_URL`` (``http(s)://``
+    or ``unix://PATH``). With neither URL, the client uses the local daemon of
+    ``BOXD_HOME`` (starting it if needed) and, with no key given, its local key.
+    """
+
+    def __init__(
+        self,
+        api_key: str | None = None,
+        base_url: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.endpoint: Endpoint = resolve_endpoint(base_url)
+        self.timeout = timeout
+        self._api_key = api_key or os.environ.get("BOXD_API_KEY")
+        self._transport = transport
+        self._http: httpx.AsyncClient | None = None
+        self._connecting = asyncio.Lock()
+        self.machines = AsyncMachines(self)
+        self.admin = AsyncAdmin(self)
+
+    async def __aenter__(self) -> AsyncBoxd:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+    async def health(self) -> Health:
+        return await self._call(Health, "GET", "/v1/health")
+
+    # -- transport --------------------------------------------------------------------
+
+    async def _client(self) -> httpx.AsyncClient:
+        async with self._connecting:
+            if self._http is None:
+                self._http = await self._open()
+            return self._http
+
+    async def _open(self) -> httpx.AsyncClient:
+        endpoint = self.endpoint
+        if endpoint.home is not None and self._transport is None:
+            await ensure_local_daemon(endpoint.home)
+        key = self._api_key or (local_key(endpoint.home) if endpoint.home is not None else None)
+        headers = {"user-agent": f"boxd-python/{__version__}"}
+        if key:
+            headers["authorization"] = f"Bearer {key}"
+        transport = self._transport or httpx.AsyncHTTPTransport(
+            uds=None if endpoint.uds is None else str(endpoint.uds)
+        )
+        return httpx.AsyncClient(base_url=endpoint.base_url, headers=headers, timeout=self.timeout, transport=transport)
+
+    def _unreachable(self, error: httpx.TransportError) -> DaemonUnavailable:
+        where = self.endpoint.uds or self.endpoint.base_url
+        return DaemonUnavailable(f"cannot reach the boxd daemon at {where}: {error or type(error).__name__}")
+
+    @contextlib.asynccontextmanager
+    async def _stream(self, method: str, path: str, **options: Any) -> AsyncIterator[httpx.Response]:
+        """A response whose body is still to be read; an error answer raises its BoxdError."""
+        client = await self._client()
+        try:
+            async with client.stream(method, path, **options) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    raise _error_of(response)
+                yield response
+        except httpx.TransportError as error:
+            raise self._unreachable(error) from error
+
+    async def _request(self, method: str, path: str, **options: Any) -> httpx.Response:
+        async with self._stream(method, path, **options) as response:
+            await response.aread()
+            return response
+
+    async def _call(self, model: type[M], method: str, path: str, **options: Any) -> M:
+        response = await self._request(method, path, **options)
+        return model.model_validate_json(response.content)
+
+    async def _call_list(self, model: type[M], method: str, path: str, **options: Any) -> list[M]:
+        response = await self._request(method, path, **options)
+        return TypeAdapter(list[model]).validate_json(response.content)
+
+
+class AsyncFiles:
+    def __init__(self, client: AsyncBoxd) -> None:
+        self._client = client
+
+    async def upload(
+        self, machine: MachineRef, path: str, content: Content, *, mode: int | None = None, user: str | None = None
+    ) -> FileWritten:
+        """Write ``content`` (str, bytes or a binary file, streamed) to ``path`` in the machine."""
+        params: dict[str, Any] = {"path": path}
+        if mode is not None:
+            params["mode"] = mode
+        if user is not None:
+            params["user"] = user
+        return await self._client._call(
+            FileWritten, "PUT", _machine_path(machine, "files"), params=params, content=_upload_body(content),
+            headers={"content-type": "application/octet-stream"},
+        )
+
+    async def download(self, machine: MachineRef, path: str) -> bytes:
+        response = await self._client._request("GET", _machine_path(machine, "files"), params={"path": path})
+        return response.content
+
+    async def download_to(self, machine: MachineRef, path: str, destination: str | Path) -> int:
+        """Stream a file of the machine into a local file; returns its size."""
+        size = 0
+        async with self._client._stream("GET", _machine_path(machine, "files"), params={"path": path}) as response:
+            with open(destination, "wb") as handle:
+                async for chunk in response.aiter_bytes():
+                    await asyncio.to_thread(handle.write, chunk)
+                    size += len(chunk)
+        return size
+
+
+class AsyncMachines:
+    def __init__(self, client: AsyncBoxd) -> None:
+        self._client = client
+        self.files = AsyncFiles(client)
+
+    async def new(
+        self, name: str, *, vcpus: int = 1, memory_mib: int = 512, disk_gib: int = 4, isolated: bool = False
+    ) -> Machine:
+        """Start a machine; it is ``starting`` until ``wait_until_ready`` returns."""
+        # Validated by the daemon, which owns the rules (some depend on its host).
+        body = {"name": name, "vcpus": vcpus, "memory_mib": memory_mib, "disk_gib": disk_gib, "isolated": isolated}
+        timeout = httpx.Timeout(self._client.timeout, read=CREATE_TIMEOUT)
+        return await self._client._call(Machine, "POST", "/v1/machines", json=body, timeout=timeout)
+
+    async def fork(self, source: MachineRef, name: str) -> Machine:
+        """A new machine that continues from this instant of ``source`` (which keeps running)."""
+        return await self._client._call(Machine, "POST", _machine_path(source, "fork"), json={"name": name})
+
+    async def get(self, machine: MachineRef) -> Machine:
+        return await self._client._call(Machine, "GET", _machine_path(machine))
+
+    async def list(self) -> list[Machine]:
+        return await self._client._call_list(Machine, "GET", "/v1/machines")
+
+    async def delete(self, machine: MachineRef) -> Machine:
+        return await self._client._call(Machine, "DELETE", _machine_path(machine))
+
+    async def wait_until_ready(self, machine: MachineRef, timeout: float = 120) -> Machine:
+        """Return once the machine runs; ``Timeout`` if it does not in time, ``Conflict`` if it failed."""
+        return await self._client._call(
+            Machine, "POST", _machine_path(machine, "wait"), params={"timeout": timeout},
+            timeout=httpx.Timeout(self._client.timeout, read=timeout + 30),
+        )
+
+    async def exec(
+        self,
+        machine: MachineRef,
+        cmd: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        stdin: str | bytes | None = None,
+    ) -> ExecResult:
+        """Run a command to its end: ``cmd`` as a string goes to the shell, as a list it is argv."""
+        body = _exec_body(cmd, timeout=timeout, env=env, cwd=cwd, user=user, stdin=stdin)
+        return await self._client._call(
+            ExecResult, "POST", _machine_path(machine, "exec"), json=body, timeout=_exec_timeout(timeout)
+        )
+
+    async def exec_stream(
+        self,
+        machine: MachineRef,
+        cmd: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        stdin: str | bytes | None = None,
+    ) -> AsyncIterator[ExecEvent]:
+        """Run a command, yielding its events as they happen: started, stdout/stderr, exit."""
+        body = _exec_body(cmd, timeout=timeout, env=env, cwd=cwd, user=user, stdin=stdin)
+        path = _machine_path(machine, "exec", "stream")
+        async with self._client._stream("POST", path, json=body, timeout=_exec_timeout(timeout)) as response:
+            async for line in response.aiter_lines():
+                if not line.strip():
+                    continue
+                item = ExecEvent.model_validate_json(line)
+                if item.type == "error":
+                    raise error_from_dict(item.error or {})
+                yield item
+
+
+class AsyncAdmin:
+    """Accounts and keys: only the local daemon's unix socket serves these."""
+
+    def __init__(self, client: AsyncBoxd) -> None:
+        self._client = client
+
+    async def set_account(self, name: str, *, max_machines: int | None = None) -> Account:
+        body = {"max_machines": max_machines}
+        return await self._client._call(Account, "PUT", f"/v1/admin/accounts/{quote(name, safe='')}", json=body)
+
+    async def list_accounts(self) -> list[Account]:
+        return await self._client._call_list(Account, "GET", "/v1/admin/accounts")
+
+    async def create_key(self, account: str = "local", *, name: str | None = None) -> CreatedKey:
+        body = {"account": account, "name": name}
+        return await self._client._call(CreatedKey, "POST", "/v1/admin/keys", json=body)
+
+    async def list_keys(self) -> list[ApiKey]:
+        return await self._client._call_list(ApiKey, "GET", "/v1/admin/keys")
+
+    async def revoke_key(self, key_id: str) -> ApiKey:
+        return await self._client._call(ApiKey, "DELETE", f"/v1/admin/keys/{quote(key_id, safe='')}")

@@ -1,0 +1,277 @@
+"""Test doubles for the control plane: a runtime without VMs, and a daemon to run it in.
+
+``FakeRuntime`` keeps to the ``Runtime`` protocol but runs commands as host processes
+(unit tests only: nothing is isolated) and keeps files in a dict. Its machines live in a
+``FakeHost`` that can outlive one runtime, the way QEMU processes outlive a daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from boxd.daemon.machines import ImageCache, Limits
+from boxd.daemon.server import Daemon
+from boxd.errors import Conflict, NotFound, Timeout, VMError
+from boxd.runtime.agent_client import ExecEvent
+from boxd.runtime.interface import ExecRequest, VMInfo, VMSpec, VMState
+
+FAKE_IMAGE = "0" * 64
+
+
+@dataclass
+class FakeVM:
+    spec: VMSpec
+    alive: bool = True
+    files: dict[str, bytes] = field(default_factory=dict)
+
+
+@dataclass
+class FakeHost:
+    vms: dict[str, FakeVM] = field(default_factory=dict)
+
+    def kill(self, vm_id: str) -> None:
+        """The VM's process dies behind the daemon's back."""
+        self.vms[vm_id].alive = False
+
+
+class FakeRuntime:
+    def __init__(
+        self,
+        host: FakeHost | None = None,
+        *,
+        ready_after: float = 0.0,
+        fail_create: Exception | None = None,
+        fail_ready: Exception | None = None,
+    ) -> None:
+        self.host = host or FakeHost()
+        self.ready_after = ready_after
+        self.fail_create = fail_create
+        self.fail_ready = fail_ready
+        self.adopted: set[str] = set()
+        self.closed = False
+
+    def _vm(self, vm_id: str) -> FakeVM:
+        vm = self.host.vms.get(vm_id)
+        if vm is None:
+            raise NotFound(f"machine {vm_id}: not known to this runtime")
+        return vm
+
+    def _info(self, vm_id: str) -> VMInfo:
+        vm = self._vm(vm_id)
+        state = VMState.RUNNING if vm.alive else VMState.FAILED
+        return VMInfo(vm_id, state, pid=os.getpid() if vm.alive else None, accelerator="fake", console_log="/dev/null")
+
+    async def create(self, vm_id: str, spec: VMSpec) -> VMInfo:
+        if self.fail_create is not None:
+            raise self.fail_create
+        if vm_id in self.host.vms:
+            raise Conflict(f"machine {vm_id}: already exists", field="id")
+        self.host.vms[vm_id] = FakeVM(spec)
+        return self._info(vm_id)
+
+    async def fork(self, source_id: str, new_ids: list[str]) -> list[VMInfo]:
+        source = self._vm(source_id)
+        if not source.alive:
+            raise Conflict(f"machine {source_id}: not running, so it cannot be forked")
+        for new_id in new_ids:
+            self.host.vms[new_id] = FakeVM(source.spec, files=dict(source.files))
+        return [self._info(new_id) for new_id in new_ids]
+
+    async def adopt(self, vm_id: str) -> VMInfo:
+        info = self._info(vm_id)
+        self.adopted.add(vm_id)
+        return info
+
+    async def info(self, vm_id: str) -> VMInfo:
+        return self._info(vm_id)
+
+    async def wait_ready(self, vm_id: str, timeout: float) -> None:
+        self._vm(vm_id)
+        if self.ready_after > timeout:
+            await asyncio.sleep(timeout)
+            raise Timeout(f"machine {vm_id}: not ready after {timeout:.0f} s")
+        await asyncio.sleep(self.ready_after)
+        if self.fail_ready is not None:
+            raise self.fail_ready
+
+    async def exec(self, vm_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+        if not self._vm(vm_id).alive:
+            raise VMError(f"machine {vm_id}: not running")
+        if request.argv is not None:
+            process = await asyncio.create_subprocess_exec(
+                *request.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, env={**os.environ, **request.env}, cwd=request.cwd,
+                start_new_session=True,
+            )
+        else:
+            process = await asyncio.create_subprocess_shell(
+                request.shell, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, env={**os.environ, **request.env}, cwd=request.cwd,
+                start_new_session=True,
+            )
+        yield ExecEvent("started", pid=process.pid)
+        process.stdin.write(request.stdin or b"")
+        process.stdin.close()
+        queue: asyncio.Queue[ExecEvent | None] = asyncio.Queue()
+
+        async def pump(kind: str, stream: asyncio.StreamReader) -> None:
+            while chunk := await stream.read(65536):
+                await queue.put(ExecEvent(kind, data=chunk))
+            await queue.put(None)
+
+        pumps = [asyncio.create_task(pump(kind, getattr(process, kind))) for kind in ("stdout", "stderr")]
+        deadline = None if request.timeout is None else time.monotonic() + request.timeout
+        finished, timed_out = 0, False
+        while finished < 2:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                item = await asyncio.wait_for(queue.get(), remaining)
+            except TimeoutError:
+                os.killpg(process.pid, signal.SIGKILL)  # the shell and what it started
+                timed_out = True
+                deadline = None
+                continue
+            if item is None:
+                finished += 1
+            else:
+                yield item
+        await asyncio.gather(*pumps)
+        code = await process.wait()
+        if code < 0:
+            yield ExecEvent("exit", signal=-code, timed_out=timed_out)
+        else:
+            yield ExecEvent("exit", exit_code=code, timed_out=timed_out)
+
+    async def write_file(
+        self, vm_id: str, path: str, chunks: AsyncIterator[bytes], *, mode: int | None, user: str | None
+    ) -> int:
+        vm = self._vm(vm_id)
+        data = b"".join([chunk async for chunk in chunks])
+        vm.files[path] = data  # whole or not at all, like the agent
+        return len(data)
+
+    async def read_file(self, vm_id: str, path: str) -> AsyncIterator[bytes]:
+        vm = self._vm(vm_id)
+        if path not in vm.files:
+            raise NotFound(f"path: no such file {path}")
+        data = vm.files[path]
+        for start in range(0, len(data), 65536):
+            yield data[start : start + 65536]
+
+    async def fs(self, vm_id: str, op: str, **fields: Any) -> dict[str, Any]:
+        raise NotImplementedError(op)
+
+    async def delete(self, vm_id: str) -> None:
+        self._vm(vm_id)
+        del self.host.vms[vm_id]
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def fake_images() -> ImageCache:
+    return ImageCache(lambda: FAKE_IMAGE)
+
+
+@contextmanager
+def daemon_thread(home: Path, runtime: FakeRuntime | None = None, *, limits: Limits | None = None) -> Iterator[Daemon]:
+    """A real daemon (uvicorn on TCP and on its unix socket) serving a FakeRuntime."""
+    daemon = Daemon(home, port=0, runtime=runtime or FakeRuntime(), images=fake_images(), limits=limits)
+    errors: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            asyncio.run(daemon.serve())
+        except BaseException as error:  # shown by the test that waited for the daemon
+            errors.append(error)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not daemon.started:
+        if errors or time.monotonic() > deadline:
+            raise RuntimeError(f"the test daemon did not start: {errors}")
+        time.sleep(0.01)
+    try:
+        yield daemon
+    finally:
+        daemon.stop()
+        thread.join(10)
+
+
+class ControlPlane:
+    """The daemon's app over its real store in a temp home, served in process via ASGI.
+
+    ``http(key)`` talks to it as over TCP; ``http(local=True)`` as over the unix socket,
+    which is where admin calls are allowed.
+    """
+
+    TCP_URL = "http://127.0.0.1:7345"
+
+    def __init__(self, home: Path, runtime: FakeRuntime | None = None, *, limits: Limits | None = None) -> None:
+        from boxd.daemon import local_key_path, socket_path
+        from boxd.daemon.app import create_app
+        from boxd.daemon.auth import Keys
+        from boxd.daemon.machines import MachineService
+        from boxd.daemon.store import Store
+
+        self.home = home
+        self.limits = limits or Limits()
+        self.store = Store(home / "boxd.db")
+        self.keys = Keys(self.store)
+        self.keys.ensure_local_key(local_key_path(home))
+        self.runtime = runtime or FakeRuntime()
+        self.machines = MachineService(self.store, self.runtime, images=fake_images(), limits=self.limits)
+        self.socket = str(socket_path(home))
+        self.app = create_app(store=self.store, keys=self.keys, machines=self.machines, local_socket=self.socket)
+
+    def key_for(self, account: str, max_machines: int | None = None) -> str:
+        self.store.set_account(account, max_machines)
+        return self.keys.mint(account).key
+
+    def _local_app(self, scope: dict, receive: Any, send: Any) -> Any:
+        # What uvicorn reports for a connection on the unix socket.
+        return self.app({**scope, "server": (self.socket, None)}, receive, send)
+
+    def transport(self, *, local: bool = False) -> Any:
+        import httpx
+
+        return httpx.ASGITransport(app=self._local_app if local else self.app)
+
+    def http(self, key: str | None = None, *, local: bool = False) -> Any:
+        import httpx
+
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        return httpx.AsyncClient(transport=self.transport(local=local), base_url=self.TCP_URL, headers=headers)
+
+    async def restarted(self, runtime: FakeRuntime | None = None) -> ControlPlane:
+        """A new daemon over the same files, after this one stopped; it re-adopts machines."""
+        await self.close()
+        plane = ControlPlane(self.home, runtime or FakeRuntime(self.runtime.host), limits=self.limits)
+        await plane.machines.recover()
+        return plane
+
+    async def close(self) -> None:
+        await self.machines.close()
+        self.store.close()
+
+
+def short_home() -> Iterator[Path]:
+    """A BOXD_HOME with a short path: a unix socket path must fit in 107 bytes."""
+    import shutil
+    import tempfile
+
+    home = Path(tempfile.mkdtemp(prefix="boxd-", dir="/tmp"))
+    try:
+        yield home
+    finally:
+        shutil.rmtree(home, ignore_errors=True)

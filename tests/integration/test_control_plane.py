@@ -1,0 +1,241 @@
+"""The whole control plane with real VMs: a ``boxd serve`` process, LocalRuntime, QEMU.
+
+One daemon per module, on its own BOXD_HOME (a short temp path, for its unix socket) and
+TCP port; the guest image is shared with the other VM tests through ``guest_image``.
+Every VM the daemon made is deleted at teardown, pass or fail, straight through the
+runtime, so that a dead daemon cannot leak one. A failed test prints the daemon's log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import failed, image_home
+
+from boxd import Boxd
+from boxd.config import images_dir, shm_dir, vms_dir
+from boxd.daemon import local_key_path, log_path, socket_path
+from boxd.errors import AuthError, NotFound, QuotaExceeded
+
+pytestmark = pytest.mark.vm
+
+ROLLOUT = """\
+import argparse, random
+parser = argparse.ArgumentParser()
+parser.add_argument("--seed", type=int)
+seed = parser.parse_args().seed
+print(f"seed={seed} draw={random.Random(seed).random():.6f}")
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class DaemonProcess:
+    """``boxd serve`` as a user runs it, in a process of its own session."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.port = _free_port()
+        self.process: subprocess.Popen | None = None
+        self.env = {**os.environ, "BOXD_HOME": str(home)}
+        for name in ("BOXD_URL", "BOXD_API_KEY"):
+            self.env.pop(name, None)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        with open(log_path(self.home), "ab") as output:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "boxd", "serve", "--port", str(self.port)],
+                env=self.env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"the daemon exited:\n{self.log()}"
+            try:
+                if httpx.get(f"{self.url}/v1/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"the daemon did not answer:\n{self.log()}")
+
+    def kill9(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+
+    def log(self) -> str:
+        return log_path(self.home).read_text(errors="replace")[-6000:]
+
+    def cli(self, *args: str, key: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+        """``boxd ARGS...``: the embedded default (local socket and key) unless ``key``."""
+        env = dict(self.env)
+        if key is not None:
+            env.update(BOXD_URL=self.url, BOXD_API_KEY=key)
+        done = subprocess.run(
+            [sys.executable, "-m", "boxd", *args], env=env, capture_output=True, text=True, timeout=600
+        )
+        if check:
+            assert done.returncode == 0, f"boxd {' '.join(args)} exited {done.returncode}: {done.stderr}"
+        return done
+
+    def local_key(self) -> str:
+        return local_key_path(self.home).read_text().strip()
+
+    def sdk(self, key: str | None = None) -> Boxd:
+        """A client over TCP, as from another process on the network would connect."""
+        return Boxd(api_key=key or self.local_key(), base_url=self.url)
+
+
+def _delete_every_vm(home: Path) -> None:
+    from boxd.runtime.local import LocalRuntime
+
+    async def sweep() -> None:
+        runtime = LocalRuntime(home)
+        for vm_dir in vms_dir(home).glob("*"):
+            try:
+                await runtime.delete(vm_dir.name)
+            except NotFound:
+                pass
+        await runtime.close()
+
+    asyncio.run(sweep())
+
+
+@pytest.fixture(scope="module")
+def daemon(guest_image):
+    home = Path(tempfile.mkdtemp(prefix="boxd-cp-", dir="/tmp"))
+    # The image is built once per host (guest_image); this home only points at it.
+    images_dir(home).symlink_to(images_dir(image_home()), target_is_directory=True)
+    process = DaemonProcess(home)
+    process.start()
+    try:
+        yield process
+    finally:
+        process.stop()
+        _delete_every_vm(home)
+        shutil.rmtree(shm_dir(home), ignore_errors=True)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def daemon_log_on_failure(request, daemon):
+    yield
+    if failed(request):
+        print(f"\n--- daemon log of {request.node.nodeid} ---\n{daemon.log()}")
+
+
+def test_cli_and_the_seed_sdk_flow(daemon, tmp_path, monkeypatch):
+    created = daemon.cli("machine", "new", "rl-base")
+    assert "running" in created.stdout
+
+    shell = daemon.cli("machine", "exec", "rl-base", "--", "echo $((6 * 7)); echo to-stderr >&2; exit 5", check=False)
+    assert (shell.returncode, shell.stdout, shell.stderr) == (5, "42\n", "to-stderr\n")
+    argv = daemon.cli("machine", "exec", "rl-base", "--", "id", "-un")
+    assert argv.stdout == "boxd\n"
+
+    # The seed's lines, as written, from a directory holding rollout.py.
+    (tmp_path / "rollout.py").write_text(ROLLOUT)
+    monkeypatch.chdir(tmp_path)
+    boxd = daemon.sdk()
+    boxd.machines.files.upload("rl-base", "/home/boxd/rollout.py", open("rollout.py").read())
+    result = boxd.machines.exec("rl-base", "python3 /home/boxd/rollout.py --seed 42")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.strip().startswith("seed=42 draw=")
+    again = boxd.machines.exec("rl-base", "python3 /home/boxd/rollout.py --seed 42")
+    assert again.stdout == result.stdout
+    assert boxd.machines.files.download("rl-base", "/home/boxd/rollout.py") == ROLLOUT.encode()
+
+    payload = os.urandom(3 * 1024 * 1024)
+    (tmp_path / "blob").write_bytes(payload)
+    daemon.cli("machine", "files", "upload", "rl-base", str(tmp_path / "blob"), "/home/boxd/blob")
+    daemon.cli("machine", "files", "download", "rl-base", "/home/boxd/blob", str(tmp_path / "back"))
+    assert (tmp_path / "back").read_bytes() == payload
+
+    streamed = [e.type for e in boxd.machines.exec_stream("rl-base", ["sh", "-c", "echo a; sleep 0.2; echo b"])]
+    assert streamed[0] == "started" and streamed[-1] == "exit" and streamed.count("stdout") >= 1
+
+    daemon.cli("machine", "delete", "rl-base")
+    assert "rl-base" not in daemon.cli("machine", "list").stdout
+    with pytest.raises(NotFound):
+        boxd.machines.get("rl-base")
+    boxd.close()
+
+
+def test_accounts_keys_and_quota(daemon):
+    daemon.cli("accounts", "set", "team", "--max-machines", "1")
+    team_key = daemon.cli("keys", "create", "--account", "team", "--name", "test").stdout.strip()
+    team = daemon.sdk(team_key)
+    local = daemon.sdk()
+    machine = team.machines.new("q1")
+    try:
+        with pytest.raises(QuotaExceeded) as over:
+            team.machines.new("q2")
+        assert "at most 1" in over.value.message and "1 are running" in over.value.message
+        over_cli = daemon.cli("machine", "new", "q2", key=team_key, check=False)
+        assert over_cli.returncode == 1 and over_cli.stderr.startswith("error: quota exceeded")
+
+        # Another account sees none of it, by name or by id.
+        for ref in ("q1", machine.id):
+            with pytest.raises(NotFound):
+                local.machines.get(ref)
+        assert "q1" not in [m.name for m in local.machines.list()]
+    finally:
+        team.machines.delete(machine)
+
+    no_key = httpx.get(f"{daemon.url}/v1/machines")
+    assert no_key.status_code == 401 and no_key.json()["error"]["code"] == "unauthorized"
+    daemon.cli("keys", "revoke", team_key[5:17])
+    with pytest.raises(AuthError):
+        team.machines.list()
+    revoked_cli = daemon.cli("machine", "list", key=team_key, check=False)
+    assert revoked_cli.returncode == 1 and "revoked" in revoked_cli.stderr
+    admin_over_tcp = httpx.get(f"{daemon.url}/v1/admin/keys")
+    assert admin_over_tcp.status_code == 403
+    team.close()
+    local.close()
+
+
+def test_a_killed_daemon_comes_back_to_its_running_machine(daemon):
+    with daemon.sdk() as boxd:
+        machine = boxd.machines.new("survivor")
+        boxd.machines.wait_until_ready(machine, timeout=180)
+        boxd.machines.exec(machine, "echo before > /home/boxd/mark")
+    daemon.kill9()
+    assert socket_path(daemon.home).exists()  # left behind: the next daemon replaces it
+
+    daemon.start()
+    with daemon.sdk() as boxd:
+        assert boxd.machines.get("survivor").state.value == "running"
+        result = boxd.machines.exec("survivor", "cat /home/boxd/mark")
+        assert result.stdout == "before\n"
+        assert "machine.adopted" in daemon.log()
+        boxd.machines.delete("survivor")
+    # The embedded CLI works against the restarted daemon too.
+    assert daemon.cli("machine", "list").returncode == 0
