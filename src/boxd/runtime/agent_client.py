@@ -304,22 +304,23 @@ class AgentClient:
         # The last one waits for all before it, since it renames the file into place.
         buffered = b""
         first = True
-        async for piece in chunks:
-            buffered += piece
-            while len(buffered) > FILE_CHUNK:
-                data, buffered = buffered[:FILE_CHUNK], buffered[FILE_CHUNK:]
-                if first:
-                    await send(data, offset, False)
-                    first = False
-                else:
-                    in_flight.append(asyncio.create_task(send(data, offset, False)))
-                    if len(in_flight) >= WINDOW:
-                        await in_flight.pop(0)
-                offset += len(data)
         try:
+            async for piece in chunks:
+                buffered += piece
+                while len(buffered) > FILE_CHUNK:
+                    data, buffered = buffered[:FILE_CHUNK], buffered[FILE_CHUNK:]
+                    if first:
+                        await send(data, offset, False)
+                        first = False
+                    else:
+                        in_flight.append(asyncio.create_task(send(data, offset, False)))
+                        if len(in_flight) >= WINDOW:
+                            await in_flight.pop(0)
+                    offset += len(data)
             for task in in_flight:
                 await task
         finally:
+            # Also when the source of chunks fails half-way: nothing keeps writing.
             for task in in_flight:
                 task.cancel()
         await send(buffered, offset, True)
