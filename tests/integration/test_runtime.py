@@ -71,6 +71,11 @@ def test_boot_then_commands_files_stdin_timeout_and_bytes(machines, runtime):
         machines.run(run_command(runtime, vm, argv=["no-such-command-here"]))
 
 
+def processes_naming(path: Path) -> list[int]:
+    """Live (not zombie) processes whose command line names ``path``."""
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and process_alive(int(p.name), str(path))]
+
+
 def test_delete_leaves_no_process_socket_or_file(machines, runtime):
     vm = machines.new()
     info = machines.run(runtime.info(vm))
@@ -79,9 +84,11 @@ def test_delete_leaves_no_process_socket_or_file(machines, runtime):
     layers_before = {p.name for p in runtime.layers_dir.iterdir()}
     assert process_alive(info.pid, "qemu") and run_dir.exists() and vm_dir.exists()
 
+    assert processes_naming(run_dir)  # QEMU and its network process
+
     machines.run(runtime.delete(vm))
 
-    assert not process_alive(info.pid, "qemu")
+    assert not process_alive(info.pid, "qemu") and not processes_naming(run_dir)
     assert not run_dir.exists() and not vm_dir.exists()
     assert not any(p.name.startswith(vm) for p in runtime.layers_dir.iterdir())
     assert {p.name for p in runtime.layers_dir.iterdir()} <= layers_before
@@ -189,3 +196,59 @@ def test_qemu_that_dies_while_booting_is_reported_with_its_console(machines, run
     os.kill(machines.run(runtime.info(vm)).pid, 9)
     with pytest.raises(VMError, match="exited while booting"):
         machines.run(runtime.wait_ready(vm, timeout=120))
+
+
+PROBE = """
+import socket, sys
+host, port = sys.argv[1], int(sys.argv[2])
+try:
+    connection = socket.create_connection((host, port), timeout=4)
+    connection.settimeout(4)
+    connection.sendall(b"GET / HTTP/1.0\\r\\n\\r\\n")
+    print(connection.recv(4096).decode(errors="replace"))
+except OSError as error:
+    print("unreachable", type(error).__name__)
+"""
+
+
+@pytest.fixture
+def host_loopback_service():
+    """An HTTP server on the host's 127.0.0.1 whose answer carries a secret."""
+    import http.server
+    import secrets
+    import threading
+
+    secret = secrets.token_hex(16)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(secret.encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1], secret
+    server.shutdown()
+
+
+def host_addresses() -> list[str]:
+    output = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout
+    return output.split()
+
+
+def test_machines_never_reach_the_hosts_loopback_services(machines, runtime, host_loopback_service):
+    port, secret = host_loopback_service
+    default, isolated = machines.new(), machines.new(isolated=True)
+    for vm in (default, isolated):
+        for address in ["10.0.2.2", *host_addresses()]:
+            stdout, _, _ = machines.run(run_command(runtime, vm, argv=["python3", "-c", PROBE, address, str(port)]))
+            assert secret not in stdout.decode(), (vm, address)
+    # an isolated machine reaches nothing at all, not even a name server
+    stdout, _, _ = machines.run(run_command(runtime, isolated, argv=["python3", "-c", PROBE, "10.0.2.2", "80"]))
+    assert stdout.startswith(b"unreachable")
+    stdout, _, _ = machines.run(run_command(runtime, isolated, shell="getent hosts pypi.org || echo no-dns"))
+    assert stdout.strip() == b"no-dns"

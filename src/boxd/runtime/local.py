@@ -32,11 +32,12 @@ from boxd.guest.image import Image, load_image
 from boxd.runtime.accel import Accelerator, detect_accelerator
 from boxd.runtime.agent_client import AgentClient, ExecEvent
 from boxd.runtime.interface import DEFAULT_USER, ExecRequest, VMInfo, VMSpec, VMState
+from boxd.runtime.network import start_passt
 from boxd.runtime.qemu import (
     Launch,
     Monitor,
     create_overlay,
-    kill_qemu,
+    stop_process,
     process_alive,
     qemu_binary,
     read_pid,
@@ -125,6 +126,7 @@ class LocalRuntime:
         self._capture_locks: dict[str, asyncio.Lock] = {}
         self._next_capture: dict[str, asyncio.Future] = {}
         self._captures_in_use: collections.Counter[str] = collections.Counter()
+        self._background: set[asyncio.Task] = set()
         log.info("runtime accelerator=%s reason=%r", self.accelerator.name, self.accelerator.reason)
 
     # -- paths ------------------------------------------------------------------------
@@ -194,12 +196,20 @@ class LocalRuntime:
         try:
             await create_overlay(self.layers_dir / machine.disk_top, image.rootfs, spec.disk_gib)
             self._save(machine)
-            machine.pid = await start_qemu(self._launch(machine, image))
+            machine.pid = await self._start(machine, image)
         except BaseException:
             await self._remove(vm_id)
             raise
         log.info("machine started id=%s pid=%s", vm_id, machine.pid)
         return await self.info(vm_id)
+
+    async def _start(self, machine: Machine, image: Image) -> int:
+        """Start the machine's processes: its network first (QEMU connects to it), then QEMU."""
+        launch = self._launch(machine, image)
+        if not machine.spec.isolated:
+            launch.run_dir.mkdir(parents=True, exist_ok=True)
+            await start_passt(launch.run_dir)
+        return await start_qemu(launch)
 
     def _check_room(self, spec: VMSpec) -> None:
         shm = os.statvfs(self.shm_dir)
@@ -290,8 +300,10 @@ class LocalRuntime:
         monitor = self._monitors.pop(vm_id, None)
         if monitor is not None:
             await monitor.close()
-        pid = machine.pid if machine else read_pid(self._run_dir(vm_id) / "qemu.pid")
-        await kill_qemu(pid, self._marker(vm_id))
+        run_dir = self._run_dir(vm_id)
+        pid = machine.pid if machine else read_pid(run_dir / "qemu.pid")
+        await stop_process(pid, self._marker(vm_id))
+        await stop_process(read_pid(run_dir / "passt.pid"), str(run_dir / "net.sock"))
         shutil.rmtree(self._run_dir(vm_id), ignore_errors=True)
         shutil.rmtree(self._vm_dir(vm_id), ignore_errors=True)
         await self.collect_garbage()
@@ -403,7 +415,11 @@ class LocalRuntime:
         waiting = self._next_capture.get(source.id)
         if waiting is None:
             waiting = self._next_capture[source.id] = asyncio.get_running_loop().create_future()
-            asyncio.create_task(self._take_capture(source, waiting))
+            task = asyncio.create_task(self._take_capture(source, waiting))
+            # The loop keeps only a weak reference to a task: without this one, a pending
+            # capture can be collected mid-way.
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
         return await asyncio.shield(waiting)
 
     async def _take_capture(self, source: Machine, waiting: asyncio.Future) -> None:
@@ -498,7 +514,7 @@ class LocalRuntime:
         try:
             await create_overlay(self.layers_dir / clone.disk_top, self.layers_dir / capture.disk_frozen[-1])
             self._save(clone)
-            clone.pid = await start_qemu(self._launch(clone, image))
+            clone.pid = await self._start(clone, image)
             monitor = await self._monitor(new_id)
             await set_capabilities(monitor, x_ignore_shared=True)
             await monitor.execute("migrate-incoming", {"uri": f"exec:cat {capture.state}"})

@@ -62,7 +62,6 @@ class Launch:
     memory_mib: int
     isolated: bool
     incoming: bool = False  # wait for a migration stream instead of booting
-    host_forwards: tuple[tuple[int, int], ...] = ()  # (host port, guest port)
 
     @property
     def qmp_socket(self) -> Path:
@@ -73,6 +72,10 @@ class Launch:
         return self.run_dir / "agent.sock"
 
     @property
+    def net_socket(self) -> Path:
+        return self.run_dir / "net.sock"
+
+    @property
     def pidfile(self) -> Path:
         return self.run_dir / "qemu.pid"
 
@@ -81,12 +84,12 @@ class Launch:
         return self.run_dir / "qemu.stderr"
 
     def argv(self) -> list[str]:
-        netdev = "user,id=net0"
         if self.isolated:
-            # restrict=on: the guest reaches nothing outside itself, not even the host.
-            netdev += ",restrict=on"
-        for host_port, guest_port in self.host_forwards:
-            netdev += f",hostfwd=tcp:127.0.0.1:{host_port}-:{guest_port}"
+            # slirp with restrict=on: the guest reaches nothing outside itself, not even the host.
+            netdev = "user,id=net0,restrict=on"
+        else:
+            # The machine's own passt process (see boxd.runtime.network).
+            netdev = f"stream,id=net0,server=off,addr.type=unix,addr.path={self.net_socket}"
         args = [
             qemu_binary(),
             "-name", f"boxd-{self.name}",
@@ -134,7 +137,7 @@ def read_pid(pidfile: Path) -> int | None:
 
 
 def process_alive(pid: int | None, marker: str) -> bool:
-    """True when ``pid`` runs and is our QEMU (its command line names ``marker``)."""
+    """True when ``pid`` runs and is ours (its command line names ``marker``), not a zombie."""
     if pid is None:
         return False
     try:
@@ -223,8 +226,8 @@ async def wait_gone(pid: int, marker: str, timeout: float) -> bool:
     return True
 
 
-async def kill_qemu(pid: int | None, marker: str) -> None:
-    """End a QEMU process for good: SIGTERM, then SIGKILL if it lingers."""
+async def stop_process(pid: int | None, marker: str) -> None:
+    """End a process of ours (QEMU, passt) for good: SIGTERM, then SIGKILL if it lingers."""
     if not process_alive(pid, marker):
         return
     assert pid is not None
@@ -233,7 +236,7 @@ async def kill_qemu(pid: int | None, marker: str) -> None:
             os.kill(pid, signum)
         if await wait_gone(pid, marker, grace):
             return
-    raise VMError(f"QEMU process {pid} did not exit after SIGKILL")
+    raise VMError(f"process {pid} did not exit after SIGKILL")
 
 
 async def run_tool(*argv: str) -> str:
