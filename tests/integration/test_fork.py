@@ -92,3 +92,29 @@ def test_a_fork_of_a_fork(machines, runtime):
     assert machines.run(sh(runtime, grandchild, f"test -d /proc/{pid} && echo alive")) == "alive"
     machines.run(runtime.delete(child))
     assert machines.run(sh(runtime, grandchild, "cat /home/boxd/child")) == "from-child"
+
+
+async def chain_at_most(runtime, vm_id: str, layers: int, timeout: float = 60) -> None:
+    """The chain is shortened in the background, right after the capture that grew it."""
+    deadline = time.monotonic() + timeout
+    while len(runtime._machines[vm_id].disk_frozen) > layers:
+        assert time.monotonic() < deadline, runtime._machines[vm_id].disk_frozen
+        await asyncio.sleep(0.1)
+
+
+def test_repeated_forks_keep_the_source_disk_chain_short(machines, runtime):
+    from boxd.runtime.local import MAX_FROZEN_LAYERS
+
+    source = machines.new()
+    forks = []
+    for round_ in range(MAX_FROZEN_LAYERS + 2):
+        machines.run(sh(runtime, source, f"echo {round_} > /home/boxd/round-{round_}"))
+        forks.append(machines.track(f"{source}-{round_}"))
+        machines.run(fork_ready(runtime, source, forks[-1]))
+        machines.run(chain_at_most(runtime, source, MAX_FROZEN_LAYERS))
+    # everything written before each fork is still there, in the source and in the forks
+    assert machines.run(sh(runtime, source, "cat /home/boxd/round-*")).split() == [
+        str(n) for n in range(MAX_FROZEN_LAYERS + 2)
+    ]
+    assert machines.run(sh(runtime, forks[0], "cat /home/boxd/round-0")) == "0"
+    assert machines.run(sh(runtime, forks[-1], "ls /home/boxd | grep -c round")) == str(MAX_FROZEN_LAYERS + 2)

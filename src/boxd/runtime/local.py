@@ -51,6 +51,8 @@ from boxd.runtime.qemu import (
 log = logging.getLogger(__name__)
 
 VM_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+# Captures a machine's disk chain may hold before it is streamed back to one layer.
+MAX_FROZEN_LAYERS = 4
 
 
 @dataclass
@@ -415,12 +417,15 @@ class LocalRuntime:
         waiting = self._next_capture.get(source.id)
         if waiting is None:
             waiting = self._next_capture[source.id] = asyncio.get_running_loop().create_future()
-            task = asyncio.create_task(self._take_capture(source, waiting))
-            # The loop keeps only a weak reference to a task: without this one, a pending
-            # capture can be collected mid-way.
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._in_background(self._take_capture(source, waiting))
         return await asyncio.shield(waiting)
+
+    def _in_background(self, coroutine) -> None:
+        task = asyncio.create_task(coroutine)
+        # The loop holds tasks weakly: without this reference a pending one can be
+        # collected half-way.
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _take_capture(self, source: Machine, waiting: asyncio.Future) -> None:
         lock = self._capture_locks.setdefault(source.id, asyncio.Lock())
@@ -435,6 +440,41 @@ class LocalRuntime:
             except Exception as error:
                 waiting.set_exception(error)
                 waiting.exception()  # marked retrieved: waiters that went away leave no warning
+                return
+            if len(source.disk_frozen) > MAX_FROZEN_LAYERS:
+                # Under the capture lock: a capture would change the chain being streamed.
+                await self._shorten_chain(source)
+
+    async def _shorten_chain(self, source: Machine) -> None:
+        """Pull the frozen layers' data into the top layer: the chain is top on image again.
+
+        Every capture adds a layer under the source, and every read that misses the top
+        walks the chain. The frozen layers stay for the forks that use them.
+        """
+        image = load_image(source.image_path, home=self.home)
+        monitor = await self._monitor(source.id)
+        job = f"stream-{secrets.token_hex(4)}"
+        started = time.monotonic()
+        await monitor.execute(
+            "block-stream",
+            {"job-id": job, "device": source.top_node, "base": str(image.rootfs), "auto-dismiss": False},
+        )
+        while True:
+            status = next((j for j in await monitor.execute("query-jobs") if j["id"] == job), None)
+            if status is None or status["status"] == "concluded":
+                break
+            await asyncio.sleep(0.05)
+        await monitor.execute("job-dismiss", {"id": job})
+        if status is not None and status.get("error"):
+            log.warning("chain not shortened machine=%s error=%r", source.id, status["error"])
+            return
+        dropped, source.disk_frozen = source.disk_frozen, []
+        self._save(source)
+        await self.collect_garbage()
+        log.info(
+            "chain shortened machine=%s layers_dropped=%d seconds=%.2f",
+            source.id, len(dropped), time.monotonic() - started,
+        )
 
     async def _capture(self, source: Machine) -> Capture:
         """Freeze one instant of ``source``: its RAM, its device state and its disk.
