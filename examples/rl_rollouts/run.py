@@ -109,10 +109,14 @@ def main() -> None:
             a, b = pool.map(lambda name: rollout(name, seed=42), ["check-a", "check-b"])
 
     table = Table(title=f"{options.rollouts} rollouts forked from {BASE}")
-    for column in ("rollout", "seed", "fork ready (s)", "total (s)", "result"):
+    for column in ("rollout", "seed", "steps", "reward", "trajectory digest", "fork ready (s)", "total (s)"):
         table.add_column(column)
     for row in [*rollouts, a, b]:
-        table.add_row(row["name"], str(row["seed"]), f"{row['fork_ready_s']:.2f}", f"{row['total_s']:.2f}", row["result"])
+        episode = json.loads(row["result"])
+        table.add_row(
+            row["name"], str(row["seed"]), str(episode["steps"]), f"{episode['reward']:.0f}", episode["digest"],
+            f"{row['fork_ready_s']:.2f}", f"{row['total_s']:.2f}",
+        )
     console.print(table)
 
     digests = {row["seed"]: json.loads(row["result"])["digest"] for row in rollouts}

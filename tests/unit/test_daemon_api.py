@@ -16,18 +16,6 @@ pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture
-async def plane(tmp_path):
-    plane = ControlPlane(tmp_path)
-    yield plane
-    await plane.close()
-
-
-@pytest.fixture
 async def alice(plane):
     async with plane.http(plane.key_for("alice")) as client:
         yield client

@@ -3,28 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from fakes import ControlPlane
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture
-async def plane(tmp_path):
-    plane = ControlPlane(tmp_path)
-    yield plane
-    await plane.close()
 
 
 async def ready_machine(client, name: str) -> dict:
     created = await client.post("/v1/machines", json={"name": name, "memory_mib": 256, "vcpus": 1})
     assert created.status_code == 201, created.text
     return (await client.post(f"/v1/machines/{name}/wait")).json()
-
 
 async def test_a_fork_is_a_new_machine_with_its_sources_size_and_parent(plane):
     async with plane.http(plane.key_for("alice")) as alice:
@@ -37,7 +23,6 @@ async def test_a_fork_is_a_new_machine_with_its_sources_size_and_parent(plane):
         assert ready["state"] == "running"
         names = {m["name"] for m in (await alice.get("/v1/machines")).json()}
         assert names == {"rl-base", "rollout-1"}
-
 
 async def test_fork_errors_name_the_problem_and_change_nothing(plane):
     async with plane.http(plane.key_for("bob", max_machines=2)) as bob:
@@ -52,7 +37,6 @@ async def test_fork_errors_name_the_problem_and_change_nothing(plane):
         over = await bob.post("/v1/machines/base/fork", json={"name": "f2"})
         assert over.status_code == 429 and "at most 2" in over.json()["error"]["message"]
         assert len((await bob.get("/v1/machines")).json()) == 2
-
 
 async def test_another_accounts_machine_cannot_be_forked(plane):
     async with plane.http(plane.key_for("carol")) as carol, plane.http(plane.key_for("dave")) as dave:

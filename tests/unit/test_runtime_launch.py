@@ -63,7 +63,8 @@ def test_a_booting_machine_owns_its_ram_file_and_boots():
     backend = next(o for o in option(argv, "-object") if o.startswith("memory-backend-file"))
     assert "size=768M" in backend and "mem-path=/run/x/ram" in backend and "share=on" in backend
     assert option(argv, "-smp") == ["2"]
-    assert option(argv, "-netdev") == ["user,id=net0"]
+    # its own passt process, never slirp, whose gateway is the host's loopback
+    assert option(argv, "-netdev") == ["stream,id=net0,server=off,addr.type=unix,addr.path=/run/x/net.sock"]
 
 
 def test_a_fork_maps_its_capture_privately_and_waits_for_state():

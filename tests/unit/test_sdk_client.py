@@ -20,18 +20,6 @@ from boxd.sdk import async_client, sync_client
 home = pytest.fixture(short_home)
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture
-async def plane(tmp_path):
-    plane = ControlPlane(tmp_path)
-    yield plane
-    await plane.close()
-
-
 def async_sdk(plane: ControlPlane, key: str | None, *, local: bool = False) -> AsyncBoxd:
     return AsyncBoxd(api_key=key, base_url=plane.TCP_URL, transport=plane.transport(local=local))
 
