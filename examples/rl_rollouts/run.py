@@ -25,7 +25,8 @@ from boxd import Boxd, NotFound
 
 HERE = Path(__file__).resolve().parent
 BASE = "rl-base"
-console = Console()
+# Wide enough for the table when the output goes to a file or a CI log.
+console = Console(width=None if sys.stdout.isatty() else 120)
 boxd = Boxd()  # reads BOXD_API_KEY; with no BOXD_URL it starts a local daemon
 
 

@@ -181,6 +181,21 @@ def test_cli_and_the_seed_sdk_flow(daemon, tmp_path, monkeypatch):
     streamed = [e.type for e in boxd.machines.exec_stream("rl-base", ["sh", "-c", "echo a; sleep 0.2; echo b"])]
     assert streamed[0] == "started" and streamed[-1] == "exit" and streamed.count("stdout") >= 1
 
+    # The seed's rollout(): fork, wait, exec, delete; same seed, same output.
+    def rollout(name: str, seed: int) -> str:
+        fork = boxd.machines.fork("rl-base", name)
+        assert fork.parent is not None and fork.name == name
+        boxd.machines.wait_until_ready(fork.id)
+        result = boxd.machines.exec(fork.id, f"python3 /home/boxd/rollout.py --seed {seed}")
+        boxd.machines.delete(fork.id)
+        return result.stdout.strip()
+
+    assert rollout("check-a", 42) == rollout("check-b", 42) == result.stdout.strip()
+    forked = daemon.cli("machine", "fork", "rl-base", "cli-fork")
+    assert "running" in forked.stdout
+    assert daemon.cli("machine", "exec", "cli-fork", "--", "cat /home/boxd/blob | wc -c").stdout.strip() == str(len(payload))
+    daemon.cli("machine", "delete", "cli-fork")
+
     daemon.cli("machine", "delete", "rl-base")
     assert "rl-base" not in daemon.cli("machine", "list").stdout
     with pytest.raises(NotFound):

@@ -1,0 +1,375 @@
+"""What the benchmarks share: the event loop runner, a runtime in a throwaway home whose
+machines are always deleted, percentiles, host measurements, and table + JSON output.
+
+Benchmarks only measure and print. Nothing here asserts a timing: a target that is
+missed is reported as "miss", never raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+try:
+    import boxd  # noqa: F401
+except ImportError:  # run from a checkout that is not installed
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+from rich.console import Console
+from rich.table import Table
+
+from boxd.errors import NotFound
+from boxd.guest.image import Image, ImageRecipe, ensure_image
+from boxd.runtime.interface import ExecRequest, VMSpec
+from boxd.runtime.local import LocalRuntime
+from boxd.runtime.qemu import kill_qemu, process_alive, read_pid
+
+console = Console()
+MiB = 1024 * 1024
+
+
+# -- running ----------------------------------------------------------------------------
+
+
+def run(main: Callable[[], Awaitable[Any]]) -> int:
+    """Run ``main()`` on one event loop. Ctrl-C or SIGTERM cancel it, so that every
+    ``finally`` (and with it machine cleanup) still runs; returns an exit status."""
+
+    async def wrapper() -> Any:
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        return await main()
+
+    try:
+        asyncio.run(wrapper())
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        console.print("[yellow]interrupted; machines were deleted[/yellow]")
+        return 130
+    return 0
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write every result and raw sample here")
+    parser.add_argument("--keep-home", action="store_true", help="leave the temporary BOXD_HOME (logs) behind")
+    return parser
+
+
+def bench_image() -> Image:
+    home = Path(os.environ.get("BOXD_BENCH_IMAGE_HOME", "~/.cache/boxd-test")).expanduser()
+    with console.status(f"guest image in {home} (the first build takes ~90 s)"):
+        return ensure_image(ImageRecipe(), home=home)
+
+
+# -- statistics -------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """The p-th percentile (0-100), linear between closest ranks (numpy's default)."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * p / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def summary(values: Sequence[float]) -> dict[str, Any]:
+    return {
+        "n": len(values),
+        "p50": percentile(values, 50),
+        "p95": percentile(values, 95),
+        "min": min(values) if values else None,
+        "max": max(values) if values else None,
+        "samples": list(values),
+    }
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms" if seconds < 10 else f"{seconds:.1f} s"
+
+
+def mib(nbytes: float) -> str:
+    return f"{nbytes / MiB:.1f} MiB"
+
+
+# -- the runtime in a throwaway home ----------------------------------------------------
+
+
+class Bench:
+    """A ``LocalRuntime`` in a fresh temporary BOXD_HOME.
+
+    Every machine id handed to ``track`` (do it before create or fork, so a half made
+    machine counts too) is deleted on the way out, whatever ended the run; then every
+    QEMU still running from this home's run folders is killed and the home removed.
+    """
+
+    def __init__(self, image: Image, *, keep_home: bool = False) -> None:
+        self.image = image
+        self.keep_home = keep_home
+        self.home = Path(tempfile.mkdtemp(prefix="boxd-bench-"))
+        self.runtime: LocalRuntime | None = None
+        self.tracked: list[str] = []
+
+    async def __aenter__(self) -> "Bench":
+        self.runtime = LocalRuntime(self.home)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        # Cleanup must not be cut short by a second Ctrl-C.
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGINT, lambda: console.print("[yellow]cleaning up, please wait[/yellow]"))
+        try:
+            await asyncio.shield(self._cleanup())
+        finally:
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(signal.SIGINT)
+
+    async def _cleanup(self) -> None:
+        runtime = self.runtime
+        assert runtime is not None
+        for vm_id in list(self.tracked):
+            await self.delete(vm_id)
+        await runtime.close()
+        # Whatever is left (a machine interrupted half way, a bare QEMU of a baseline).
+        for pidfile in runtime.shm_dir.glob("*/qemu.pid"):
+            with contextlib.suppress(Exception):
+                await kill_qemu(read_pid(pidfile), str(pidfile.parent) + "/")
+        shutil.rmtree(runtime.shm_dir, ignore_errors=True)
+        if self.keep_home:
+            console.print(f"home kept at {self.home}")
+        else:
+            shutil.rmtree(self.home, ignore_errors=True)
+
+    def track(self, vm_id: str) -> str:
+        self.tracked.append(vm_id)
+        return vm_id
+
+    async def delete(self, vm_id: str) -> None:
+        assert self.runtime is not None
+        try:
+            await self.runtime.delete(vm_id)
+        except NotFound:
+            pass
+        except Exception as error:  # keep going: the pidfile sweep in cleanup catches it
+            console.print(f"[red]could not delete {vm_id}: {error}[/red]")
+        with contextlib.suppress(ValueError):
+            self.tracked.remove(vm_id)
+
+    def spec(self, memory_mib: int = 512, **fields: Any) -> VMSpec:
+        return VMSpec(image=str(self.image.path), memory_mib=memory_mib, **fields)
+
+    async def boot(self, vm_id: str, memory_mib: int = 512, timeout: float = 180) -> dict[str, float]:
+        """Create a machine and wait until its agent answers; returns timings in seconds."""
+        assert self.runtime is not None
+        self.track(vm_id)
+        started = time.monotonic()
+        await self.runtime.create(vm_id, self.spec(memory_mib))
+        launched = time.monotonic()
+        await self.runtime.wait_ready(vm_id, timeout)
+        ready = time.monotonic()
+        return {"qemu_started_s": launched - started, "ready_s": ready - started}
+
+    async def sh(self, vm_id: str, command: str, *, timeout: float = 300, check: bool = True) -> str:
+        """Run a shell command in the guest and return its stdout."""
+        assert self.runtime is not None
+        events = [e async for e in self.runtime.exec(vm_id, ExecRequest(shell=command, timeout=timeout))]
+        exit_code = events[-1].exit_code
+        out = b"".join(e.data for e in events if e.kind == "stdout").decode(errors="replace")
+        if check and exit_code != 0:
+            err = b"".join(e.data for e in events if e.kind == "stderr").decode(errors="replace")
+            raise RuntimeError(f"{vm_id}: {command!r} exited {exit_code}: {err.strip()[-300:]}")
+        return out.strip()
+
+    async def argv(self, vm_id: str, argv: list[str]) -> int | None:
+        assert self.runtime is not None
+        exit_code = None
+        async for event in self.runtime.exec(vm_id, ExecRequest(argv=argv)):
+            if event.kind == "exit":
+                exit_code = event.exit_code
+        return exit_code
+
+    def machine_record(self, vm_id: str) -> dict[str, Any]:
+        """The machine's machine.json, the runtime's own on-disk record of it."""
+        assert self.runtime is not None
+        return json.loads((self.runtime.vms_dir / vm_id / "machine.json").read_text())
+
+
+async def chunks_of(data: bytes, size: int = MiB) -> AsyncIterator[bytes]:
+    view = memoryview(data)
+    for offset in range(0, len(data), size):
+        yield bytes(view[offset : offset + size])
+
+
+# -- host measurements ------------------------------------------------------------------
+
+
+def smaps_rollup(pid: int) -> dict[str, int]:
+    """Memory of a process from /proc/PID/smaps_rollup, in bytes (Rss, Pss, Pss_Anon...)."""
+    values: dict[str, int] = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        match = re.match(r"^(\w+):\s+(\d+) kB", line)
+        if match:
+            values[match.group(1)] = int(match.group(2)) * 1024
+    return values
+
+
+def allocated_bytes(path: Path) -> int:
+    """Blocks really allocated (not the apparent size) of a file or of a folder's files."""
+    if path.is_file():
+        return path.stat().st_blocks * 512
+    return sum(p.stat().st_blocks * 512 for p in path.rglob("*") if p.is_file())
+
+
+def mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def host_facts(runtime: LocalRuntime | None = None) -> dict[str, Any]:
+    qemu = subprocess.run(["qemu-system-x86_64", "--version"], capture_output=True, text=True).stdout
+    load = os.getloadavg()
+    return {
+        "host": platform.node(),
+        "kernel": platform.release(),
+        "cpus": os.cpu_count(),
+        "mem_available_mib": mem_available() // MiB,
+        "loadavg_at_start": [round(x, 2) for x in load],
+        "qemu": qemu.splitlines()[0] if qemu else None,
+        "accelerator": runtime.accelerator.name if runtime else None,
+        "accelerator_reason": runtime.accelerator.reason if runtime else None,
+        "python": platform.python_version(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+class LogCapture(logging.Handler):
+    """Keeps the records of one logger, without printing them."""
+
+    def __init__(self, logger_name: str) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+        self.logger = logging.getLogger(logger_name)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def __enter__(self) -> "LogCapture":
+        self.logger.addHandler(self)
+        self._level = self.logger.level
+        if self.logger.getEffectiveLevel() > logging.INFO:
+            self.logger.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self._level)
+
+    def values(self, pattern: str) -> list[tuple[str, float]]:
+        """(message, number) for every kept message matching ``pattern`` (one group)."""
+        found = []
+        for record in self.records:
+            message = record.getMessage()
+            match = re.search(pattern, message)
+            if match:
+                found.append((message, float(match.group(1))))
+        return found
+
+
+# -- output -----------------------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    name: str
+    measured: str
+    goal: str
+    ok: bool | None  # None: not measured in this run
+
+
+@dataclass
+class Report:
+    """Tables for the terminal and the same numbers, with raw samples, as JSON."""
+
+    title: str
+    args: dict[str, Any]
+    results: dict[str, Any] = field(default_factory=dict)
+    tables: list[Table] = field(default_factory=list)
+    targets: list[Target] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    host: dict[str, Any] = field(default_factory=dict)
+
+    def table(self, title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
+        table = Table(title=title, title_justify="left", title_style="bold")
+        for index, column in enumerate(columns):
+            table.add_column(column, justify="left" if index == 0 else "right")
+        for row in rows:
+            table.add_row(*(str(cell) for cell in row))
+        self.tables.append(table)
+        console.print(table)
+        return table
+
+    def target(self, name: str, measured: str, goal: str, ok: bool | None) -> None:
+        self.targets.append(Target(name, measured, goal, ok))
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+        console.print(f"[dim]note:[/dim] {text}")
+
+    def print_targets(self) -> None:
+        if not self.targets:
+            return
+        table = Table(title="Targets", title_justify="left", title_style="bold")
+        for column in ("target", "measured", "goal", "result"):
+            table.add_column(column, justify="left" if column in ("target", "goal") else "right")
+        for target in self.targets:
+            verdict = {True: "[green]pass[/green]", False: "[red]miss[/red]", None: "[dim]n/a[/dim]"}[target.ok]
+            table.add_row(target.name, target.measured, target.goal, verdict)
+        self.tables.append(table)
+        console.print(table)
+
+    def write_json(self, path: Path | None) -> None:
+        if path is None:
+            return
+        data = {
+            "benchmark": self.title,
+            "args": self.args,
+            "host": self.host,
+            "results": self.results,
+            "targets": [vars(t) for t in self.targets],
+            "notes": self.notes,
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+        console.print(f"results written to {path}")
+
+
+def vm_alive(runtime: LocalRuntime, vm_id: str, pid: int | None) -> bool:
+    return process_alive(pid, str(runtime.shm_dir / vm_id) + "/")
