@@ -118,3 +118,47 @@ def test_repeated_forks_keep_the_source_disk_chain_short(machines, runtime):
     ]
     assert machines.run(sh(runtime, forks[0], "cat /home/boxd/round-0")) == "0"
     assert machines.run(sh(runtime, forks[-1], "ls /home/boxd | grep -c round")) == str(MAX_FROZEN_LAYERS + 2)
+
+
+CHECKER = r"""
+import os
+pages = 4096  # 16 MiB that the process keeps rewriting, and checks against a second copy
+memory, expected, i, checks = bytearray(pages * 4096), [0] * pages, 0, 0
+while True:
+    i += 1
+    page = (i * 7919) % pages
+    memory[page * 4096 : page * 4096 + 8] = i.to_bytes(8, "little")
+    expected[page] = i
+    if i % 4000 == 0:
+        good = all(int.from_bytes(memory[p * 4096 : p * 4096 + 8], "little") == expected[p] for p in range(pages))
+        checks += 1
+        with open("/tmp/check.part", "w") as status:
+            status.write(f"{checks} {'ok' if good else 'CORRUPT'}")
+        os.replace("/tmp/check.part", "/tmp/check")
+"""
+
+
+async def checks_after(runtime, vm_id: str, after: int) -> str:
+    """The checker's verdict once it has checked again since ``after``."""
+    while True:
+        count, verdict = (await sh(runtime, vm_id, "cat /tmp/check 2>/dev/null || echo 0 none")).split()
+        if int(count) > after:
+            return verdict
+        await asyncio.sleep(0.5)
+
+
+def test_memory_being_written_during_the_capture_arrives_consistent(machines, runtime):
+    source = machines.new()
+    async def one_chunk():
+        yield CHECKER.encode()
+
+    machines.run(runtime.write_file(source, "/home/boxd/checker.py", one_chunk()))
+    machines.run(sh(runtime, source, "nohup python3 /home/boxd/checker.py >/dev/null 2>&1 &"))
+    machines.run(checks_after(runtime, source, 0), timeout=120)
+    forks = []
+    for round_ in range(3):
+        count = int(machines.run(sh(runtime, source, "cat /tmp/check")).split()[0])
+        forks.append(machines.track(f"{source}-{round_}"))
+        machines.run(fork_ready(runtime, source, forks[-1]))
+        assert machines.run(checks_after(runtime, forks[-1], count), timeout=120) == "ok"
+    assert machines.run(checks_after(runtime, source, count), timeout=120) == "ok"

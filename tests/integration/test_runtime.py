@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import subprocess
@@ -174,21 +175,41 @@ def test_no_qemu_on_the_host_is_a_clear_error(runtime, loop_thread, guest_image,
     assert not (runtime.vms_dir / "no-qemu").exists()
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str):
+    path.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "--lazy", str(path)], check=True)
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+
+
+@needs_root
 def test_no_room_for_guest_ram_is_a_clear_error(tmp_path, loop_thread, guest_image, monkeypatch):
     from boxd.runtime.local import LocalRuntime
 
-    small = tmp_path / "small-shm"
-    small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(small)], check=True)
-    try:
+    with small_tmpfs(tmp_path / "small-shm", "64m") as small:
         monkeypatch.setenv("BOXD_SHM", str(small))
         tight = LocalRuntime(tmp_path / "home")
         with pytest.raises(HostError, match="memory"):
             loop_thread.run(tight.create("too-big", VMSpec(image=str(guest_image.path), memory_mib=256)))
         assert not list((tmp_path / "home" / "vms").iterdir())
-    finally:
-        subprocess.run(["umount", str(small)], check=True)
+
+
+@needs_root
+def test_no_room_for_disks_is_a_clear_error(tmp_path, loop_thread, guest_image):
+    from boxd.runtime.local import LocalRuntime
+
+    with small_tmpfs(tmp_path / "small-home", "100m") as home:
+        tight = LocalRuntime(home)
+        with pytest.raises(HostError, match="disk"):
+            loop_thread.run(tight.create("no-disk", VMSpec(image=str(guest_image.path))))
+        assert not list((home / "vms").iterdir()) and not list((home / "layers").iterdir())
+        assert not (tight.shm_dir / "no-disk").exists()
 
 
 def test_qemu_that_dies_while_booting_is_reported_with_its_console(machines, runtime):

@@ -297,3 +297,20 @@ async def set_capabilities(monitor: Monitor, **capabilities: bool) -> None:
         "migrate-set-capabilities",
         {"capabilities": [{"capability": name.replace("_", "-"), "state": on} for name, on in capabilities.items()]},
     )
+
+
+async def wait_running(monitor: Monitor, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (await monitor.execute("query-status"))["status"] != "running":
+        if time.monotonic() >= deadline:
+            raise VMError(f"machine {monitor.name}: still not running after {timeout:.0f} s")
+        await asyncio.sleep(0.001)
+
+
+async def resume(monitor: Monitor) -> None:
+    """Let a machine we stopped run again, whatever went wrong meanwhile."""
+    with contextlib.suppress(VMError):
+        await monitor.execute("migrate_cancel")
+    with contextlib.suppress(VMError):
+        if (await monitor.execute("query-status"))["status"] != "running":
+            await monitor.execute("cont")
