@@ -437,10 +437,8 @@ class LocalRuntime:
     async def _take_capture(self, source: Machine, waiting: asyncio.Future) -> None:
         lock = self._capture_locks.setdefault(source.id, asyncio.Lock())
         async with lock:
-            # From here on, new fork requests wait for the capture after this one.
-            self._next_capture.pop(source.id, None)
             try:
-                waiting.set_result(await self._capture(source))
+                waiting.set_result(await self._capture(source, waiting))
             except asyncio.CancelledError:
                 waiting.cancel()
                 raise
@@ -448,6 +446,10 @@ class LocalRuntime:
                 waiting.set_exception(error)
                 waiting.exception()  # marked retrieved: waiters that went away leave no warning
                 return
+            finally:
+                # A capture that failed before its instant must not take later forks down with it.
+                if self._next_capture.get(source.id) is waiting:
+                    del self._next_capture[source.id]
             if len(source.disk_frozen) > MAX_FROZEN_LAYERS:
                 # Under the capture lock: a capture would change the chain being streamed.
                 await self._shorten_chain(source)
@@ -483,7 +485,7 @@ class LocalRuntime:
             source.id, len(dropped), time.monotonic() - started,
         )
 
-    async def _capture(self, source: Machine) -> Capture:
+    async def _capture(self, source: Machine, batch: asyncio.Future | None = None) -> Capture:
         """Freeze one instant of ``source``: its RAM, its device state and its disk.
 
         The source stops only while its disk gets a new top layer and QEMU takes its
@@ -530,6 +532,9 @@ class LocalRuntime:
             # x-ignore-shared off: a fork had it on to load its own state, and all of the
             # memory must reach the template.
             await set_capabilities(monitor, background_snapshot=live, x_ignore_shared=False)
+            # Forks asked for until this instant share it; later ones wait for the next.
+            if self._next_capture.get(source.id) is batch:
+                del self._next_capture[source.id]
             await monitor.execute("stop")
             paused_at = time.monotonic()
             try:
