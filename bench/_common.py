@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 try:
     import boxd  # noqa: F401
@@ -39,9 +39,9 @@ from boxd.errors import NotFound
 from boxd.guest.image import Image, ImageRecipe, ensure_image
 from boxd.runtime.interface import ExecRequest, VMSpec
 from boxd.runtime.local import LocalRuntime
-from boxd.runtime.qemu import kill_qemu, process_alive, read_pid
 
-console = Console()
+# Wide enough for the tables when the output goes to a file (rich would assume 80 columns).
+console = Console(width=None if sys.stdout.isatty() else 180)
 MiB = 1024 * 1024
 
 
@@ -135,7 +135,7 @@ class Bench:
         self.runtime: LocalRuntime | None = None
         self.tracked: list[str] = []
 
-    async def __aenter__(self) -> "Bench":
+    async def __aenter__(self) -> Self:
         self.runtime = LocalRuntime(self.home)
         return self
 
@@ -157,9 +157,7 @@ class Bench:
             await self.delete(vm_id)
         await runtime.close()
         # Whatever is left (a machine interrupted half way, a bare QEMU of a baseline).
-        for pidfile in runtime.shm_dir.glob("*/qemu.pid"):
-            with contextlib.suppress(Exception):
-                await kill_qemu(read_pid(pidfile), str(pidfile.parent) + "/")
+        await sweep(runtime.shm_dir)
         shutil.rmtree(runtime.shm_dir, ignore_errors=True)
         if self.keep_home:
             console.print(f"home kept at {self.home}")
@@ -176,7 +174,7 @@ class Bench:
             await self.runtime.delete(vm_id)
         except NotFound:
             pass
-        except Exception as error:  # keep going: the pidfile sweep in cleanup catches it
+        except Exception as error:  # noqa: BLE001 -- keep going: the pidfile sweep in cleanup catches it
             console.print(f"[red]could not delete {vm_id}: {error}[/red]")
         with contextlib.suppress(ValueError):
             self.tracked.remove(vm_id)
@@ -254,7 +252,7 @@ def mem_available() -> int:
 
 
 def host_facts(runtime: LocalRuntime | None = None) -> dict[str, Any]:
-    qemu = subprocess.run(["qemu-system-x86_64", "--version"], capture_output=True, text=True).stdout
+    qemu = subprocess.run(["qemu-system-x86_64", "--version"], check=False, capture_output=True, text=True).stdout
     load = os.getloadavg()
     return {
         "host": platform.node(),
@@ -281,7 +279,7 @@ class LogCapture(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append(record)
 
-    def __enter__(self) -> "LogCapture":
+    def __enter__(self) -> Self:
         self.logger.addHandler(self)
         self._level = self.logger.level
         if self.logger.getEffectiveLevel() > logging.INFO:
@@ -358,6 +356,7 @@ class Report:
     def write_json(self, path: Path | None) -> None:
         if path is None:
             return
+        self.host["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
         data = {
             "benchmark": self.title,
             "args": self.args,
@@ -371,5 +370,46 @@ class Report:
         console.print(f"results written to {path}")
 
 
-def vm_alive(runtime: LocalRuntime, vm_id: str, pid: int | None) -> bool:
-    return process_alive(pid, str(runtime.shm_dir / vm_id) + "/")
+# -- processes (kept here, not borrowed from the runtime, so cleanup never depends on its internals)
+
+
+def read_pidfile(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def ours(pid: int | None, marker: str) -> bool:
+    """``pid`` runs, is not a zombie, and its command line names ``marker``."""
+    if pid is None:
+        return False
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][:1]
+    except (OSError, IndexError):
+        return False
+    return state != "Z" and marker.encode() in cmdline
+
+
+async def end_process(pid: int | None, marker: str) -> None:
+    """SIGTERM, then SIGKILL, a process of ours; only by its pid."""
+    for signum, grace in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
+        if not ours(pid, marker):
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+        deadline = time.monotonic() + grace
+        while ours(pid, marker) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+
+async def sweep(shm_dir: Path) -> None:
+    """End every QEMU and passt still running from the run folders under ``shm_dir``."""
+    if not shm_dir.is_dir():
+        return
+    for run_dir in shm_dir.iterdir():
+        if not run_dir.is_dir():
+            continue
+        await end_process(read_pidfile(run_dir / "qemu.pid"), str(run_dir) + "/")
+        await end_process(read_pidfile(run_dir / "passt.pid"), str(run_dir / "net.sock"))

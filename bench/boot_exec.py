@@ -17,8 +17,8 @@ import os
 import time
 
 from _common import (
-    MiB,
     Bench,
+    MiB,
     Report,
     base_parser,
     bench_image,
