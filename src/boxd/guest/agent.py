@@ -89,7 +89,10 @@ class Channel:
                 view = view[written:]
 
     def lines(self):
-        buffer = b""
+        # A virtio port hands over at most a few KiB per read and a file chunk is a
+        # line of ~700 KB: collect pieces and search only the new one for the newline,
+        # or assembling a line costs time quadratic in its length.
+        pieces: list[bytes] = []
         while True:
             try:
                 chunk = os.read(self.fd, 1 << 20)
@@ -100,11 +103,14 @@ class Channel:
                 # capture and its new host): reads return EOF at once, so wait a little.
                 time.sleep(0.02)
                 continue
-            buffer += chunk
-            *complete, buffer = buffer.split(b"\n")
-            for line in complete:
+            while (end := chunk.find(b"\n")) >= 0:
+                pieces.append(chunk[:end])
+                line, pieces = b"".join(pieces), []
                 if line.strip():
                     yield line
+                chunk = chunk[end + 1 :]
+            if chunk:
+                pieces.append(chunk)
 
 
 def _b64(data: bytes) -> str:

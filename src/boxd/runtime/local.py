@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from boxd.config import boxd_home, shm_dir, vms_dir
-from boxd.errors import AgentUnavailable, Conflict, HostError, InvalidInput, NotFound, Timeout, VMError
+from boxd.errors import AgentUnavailable, BoxdError, Conflict, HostError, InvalidInput, NotFound, Timeout, VMError
 from boxd.guest.image import Image, load_image
 from boxd.runtime.accel import Accelerator, detect_accelerator
 from boxd.runtime.agent_client import AgentClient, ExecEvent
@@ -42,6 +42,7 @@ from boxd.runtime.qemu import (
     qemu_binary,
     read_pid,
     resume,
+    run_tool,
     set_capabilities,
     start_qemu,
     wait_incoming,
@@ -125,6 +126,7 @@ class LocalRuntime:
         self._machines: dict[str, Machine] = {}
         self._agents: dict[str, AgentClient] = {}
         self._monitors: dict[str, Monitor] = {}
+        self._images: dict[str, Image] = {}
         self._layers_lock = asyncio.Lock()
         self._capture_locks: dict[str, asyncio.Lock] = {}
         self._next_capture: dict[str, asyncio.Future] = {}
@@ -164,6 +166,13 @@ class LocalRuntime:
         values.update(overrides)
         return Launch(**values)
 
+    async def _image(self, reference: str) -> Image:
+        """An image, checked once: checking runs qemu-img, too slow to repeat per fork."""
+        image = self._images.get(reference)
+        if image is None:
+            image = self._images[reference] = await asyncio.to_thread(load_image, reference, home=self.home)
+        return image
+
     def _save(self, machine: Machine) -> None:
         path = self._vm_dir(machine.id) / "machine.json"
         partial = path.with_suffix(".json.part")
@@ -191,7 +200,7 @@ class LocalRuntime:
         if self._vm_dir(vm_id).exists():
             raise Conflict(f"machine {vm_id}: already exists", field="id")
         qemu_binary()  # before anything else: no QEMU is the most basic thing to report
-        image = load_image(spec.image, home=self.home)
+        image = await self._image(spec.image)
         self._check_room(spec)
         machine = Machine(id=vm_id, spec=spec, image_path=str(image.path), disk_top=f"{vm_id}-{secrets.token_hex(4)}.qcow2")
         self._vm_dir(vm_id).mkdir(parents=True)
@@ -432,13 +441,19 @@ class LocalRuntime:
         # The loop holds tasks weakly: without this reference a pending one can be
         # collected half-way.
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("background work failed: %s", task.exception())
 
     async def _take_capture(self, source: Machine, waiting: asyncio.Future) -> None:
         lock = self._capture_locks.setdefault(source.id, asyncio.Lock())
         async with lock:
             try:
-                waiting.set_result(await self._capture(source, waiting))
+                capture = await self._capture(source, waiting)
+                waiting.set_result(capture)
             except asyncio.CancelledError:
                 waiting.cancel()
                 raise
@@ -450,6 +465,12 @@ class LocalRuntime:
                 # A capture that failed before its instant must not take later forks down with it.
                 if self._next_capture.get(source.id) is waiting:
                     del self._next_capture[source.id]
+            # The template wrote every page, zero or not: give the zero ones back to
+            # tmpfs. Safe while forks map the file: a punched page reads as zeros still.
+            self._in_background(run_tool("fallocate", "--dig-holes", str(capture.ram)))
+            with contextlib.suppress(BoxdError):
+                # The source's guest clock stood still while it was stopped.
+                await self._agent(source.id).set_time()
             if len(source.disk_frozen) > MAX_FROZEN_LAYERS:
                 # Under the capture lock: a capture would change the chain being streamed.
                 await self._shorten_chain(source)
@@ -460,7 +481,7 @@ class LocalRuntime:
         Every capture adds a layer under the source, and every read that misses the top
         walks the chain. The frozen layers stay for the forks that use them.
         """
-        image = load_image(source.image_path, home=self.home)
+        image = await self._image(source.image_path)
         monitor = await self._monitor(source.id)
         job = f"stream-{secrets.token_hex(4)}"
         started = time.monotonic()
@@ -499,7 +520,7 @@ class LocalRuntime:
         copying the RAM file with the source stopped (correct, but the pause grows with
         the RAM the source uses).
         """
-        image = load_image(source.image_path, home=self.home)
+        image = await self._image(source.image_path)
         capture_id = f"{source.id}-{secrets.token_hex(4)}"
         folder = self.captures_dir / capture_id
         folder.mkdir(parents=True)
@@ -589,7 +610,7 @@ class LocalRuntime:
         return list(source.disk_frozen)
 
     async def _start_clone(self, source: Machine, capture: Capture, new_id: str) -> VMInfo:
-        image = load_image(source.image_path, home=self.home)
+        image = await self._image(source.image_path)
         clone = Machine(
             id=new_id,
             spec=source.spec,
