@@ -442,7 +442,7 @@ def _plural(count: int) -> str:
 async def main(args) -> None:
     quick = args.quick
     single_runs = args.single_runs or (3 if quick else 5)
-    counts = [4] if quick else [8, 32]
+    counts = args.concurrent or ([4] if quick else [8, 32])
     pause_sizes = [(256, 150)] if quick else [(256, 150), (1024, 700)]
     pause_runs = args.pause_runs or (3 if quick else 5)
     boot_runs = 1 if quick else 3
@@ -712,6 +712,8 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="1 and 4 forks, 256 MiB pause only, fewer repetitions")
     parser.add_argument("--single-runs", type=int, help="single forks to time (default 5, quick 3)")
     parser.add_argument("--pause-runs", type=int, help="captures per pause size (default 5, quick 3)")
+    parser.add_argument("--concurrent", type=int, nargs="+", metavar="N",
+                        help="concurrent fork counts to time (default 8 32, quick 4), e.g. --concurrent 50")
     parser.add_argument("--settle", type=float, default=5.0, help="seconds forks idle before PSS is read (default 5)")
     arguments = parser.parse_args()
     raise SystemExit(run(lambda: main(arguments)))
