@@ -95,6 +95,14 @@ class Machine:
         )
 
 
+@dataclass
+class _Batch:
+    """Fork requests waiting for the next capture of one source."""
+
+    future: asyncio.Future
+    forks: int = 0  # requests in it; each holds the capture until its forks have started
+
+
 @dataclass(frozen=True)
 class Capture:
     """One frozen instant of a machine: RAM file, device state, and the disk layer under it."""
@@ -129,7 +137,7 @@ class LocalRuntime:
         self._images: dict[str, Image] = {}
         self._layers_lock = asyncio.Lock()
         self._capture_locks: dict[str, asyncio.Lock] = {}
-        self._next_capture: dict[str, asyncio.Future] = {}
+        self._next_capture: dict[str, _Batch] = {}
         self._captures_in_use: collections.Counter[str] = collections.Counter()
         self._background: set[asyncio.Task] = set()
         log.info("runtime accelerator=%s reason=%r", self.accelerator.name, self.accelerator.reason)
@@ -216,11 +224,11 @@ class LocalRuntime:
         return await self.info(vm_id)
 
     async def _start(self, machine: Machine, image: Image) -> int:
-        return await self._start_processes(self._launch(machine, image), machine.spec.isolated)
+        return await self._start_processes(self._launch(machine, image))
 
-    async def _start_processes(self, launch: Launch, isolated: bool) -> int:
+    async def _start_processes(self, launch: Launch) -> int:
         """The network first (QEMU connects to it), then QEMU; returns QEMU's pid."""
-        if not isolated:
+        if not launch.isolated:
             launch.run_dir.mkdir(parents=True, exist_ok=True)
             await start_passt(launch.run_dir)
         return await start_qemu(launch)
@@ -411,15 +419,12 @@ class LocalRuntime:
         if not process_alive(source.pid, self._marker(source_id)):
             raise Conflict(f"machine {source_id}: not running, so it cannot be forked")
         capture = await self._shared_capture(source)
-        self._captures_in_use[capture.id] += 1
         try:
             results = await asyncio.gather(
                 *(self._start_clone(source, capture, new_id) for new_id in new_ids), return_exceptions=True
             )
         finally:
-            self._captures_in_use[capture.id] -= 1
-            if self._captures_in_use[capture.id] <= 0:
-                del self._captures_in_use[capture.id]
+            self._release(capture.id)
         failures = [result for result in results if isinstance(result, BaseException)]
         if failures:
             for new_id, result in zip(new_ids, results):
@@ -430,11 +435,19 @@ class LocalRuntime:
         return list(results)
 
     async def _shared_capture(self, source: Machine) -> Capture:
-        waiting = self._next_capture.get(source.id)
-        if waiting is None:
-            waiting = self._next_capture[source.id] = asyncio.get_running_loop().create_future()
-            self._in_background(self._take_capture(source, waiting))
-        return await asyncio.shield(waiting)
+        """The next capture of ``source``, held for this request until it calls ``_release``."""
+        batch = self._next_capture.get(source.id)
+        if batch is None:
+            batch = self._next_capture[source.id] = _Batch(asyncio.get_running_loop().create_future())
+            self._in_background(self._take_capture(source, batch))
+        batch.forks += 1
+        return await asyncio.shield(batch.future)
+
+    def _release(self, capture_id: str) -> None:
+        """One user less; garbage collection may take a capture nobody holds or maps."""
+        self._captures_in_use[capture_id] -= 1
+        if self._captures_in_use[capture_id] <= 0:
+            del self._captures_in_use[capture_id]
 
     def _in_background(self, coroutine) -> None:
         task = asyncio.create_task(coroutine)
@@ -448,11 +461,12 @@ class LocalRuntime:
         if not task.cancelled() and task.exception() is not None:
             log.warning("background work failed: %s", task.exception())
 
-    async def _take_capture(self, source: Machine, waiting: asyncio.Future) -> None:
+    async def _take_capture(self, source: Machine, batch: _Batch) -> None:
+        waiting = batch.future
         lock = self._capture_locks.setdefault(source.id, asyncio.Lock())
         async with lock:
             try:
-                capture = await self._capture(source, waiting)
+                capture = await self._capture(source, batch)
                 waiting.set_result(capture)
             except asyncio.CancelledError:
                 waiting.cancel()
@@ -463,7 +477,7 @@ class LocalRuntime:
                 return
             finally:
                 # A capture that failed before its instant must not take later forks down with it.
-                if self._next_capture.get(source.id) is waiting:
+                if self._next_capture.get(source.id) is batch:
                     del self._next_capture[source.id]
             # The template wrote every page, zero or not: give the zero ones back to
             # tmpfs. Safe while forks map the file: a punched page reads as zeros still.
@@ -506,7 +520,7 @@ class LocalRuntime:
             source.id, len(dropped), time.monotonic() - started,
         )
 
-    async def _capture(self, source: Machine, batch: asyncio.Future | None = None) -> Capture:
+    async def _capture(self, source: Machine, batch: _Batch | None = None) -> Capture:
         """Freeze one instant of ``source``: its RAM, its device state and its disk.
 
         The source stops only while its disk gets a new top layer and QEMU takes its
@@ -542,7 +556,7 @@ class LocalRuntime:
         stream = template.run_dir / "migrate.sock"
         try:
             await create_overlay(template_disk, image.rootfs, source.spec.disk_gib)
-            await self._start_processes(template, source.spec.isolated)
+            await self._start_processes(template)
             await template_monitor.connect()
             await template_monitor.execute("migrate-incoming", {"uri": f"unix:{stream}"})
             monitor = await self._monitor(source.id)
@@ -554,8 +568,10 @@ class LocalRuntime:
             # memory must reach the template.
             await set_capabilities(monitor, background_snapshot=live, x_ignore_shared=False)
             # Forks asked for until this instant share it; later ones wait for the next.
-            if self._next_capture.get(source.id) is batch:
-                del self._next_capture[source.id]
+            if batch is not None:
+                if self._next_capture.get(source.id) is batch:
+                    del self._next_capture[source.id]
+                self._captures_in_use[capture_id] += batch.forks
             await monitor.execute("stop")
             paused_at = time.monotonic()
             try:
@@ -579,15 +595,14 @@ class LocalRuntime:
             await wait_migration(template_monitor, {"completed"})
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
+            self._captures_in_use.pop(capture_id, None)  # its forks fail with this error
             raise
         finally:
             await template_monitor.close()
             await self._stop_processes(template.run_dir)
             shutil.rmtree(template.run_dir, ignore_errors=True)
             template_disk.unlink(missing_ok=True)
-            self._captures_in_use[capture_id] -= 1
-            if self._captures_in_use[capture_id] <= 0:
-                del self._captures_in_use[capture_id]
+        self._release(capture_id)
         log.info("capture taken source=%s capture=%s pause_ms=%.1f", source.id, capture_id, pause_s * 1000)
         return Capture(id=capture_id, folder=folder, disk_frozen=disk_frozen, pause_s=pause_s)
 
