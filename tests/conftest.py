@@ -104,7 +104,8 @@ def machines(request, runtime, loop_thread, guest_image):
     test_tag = request.node.name.replace("_", "-").replace("[", "-").replace("]", "")[-24:].strip("-")
 
     class Factory:
-        made: list[str] = []
+        def __init__(self) -> None:
+            self.made: list[str] = []
 
         def id_for(self) -> str:
             return f"t{len(self.made)}-{os.getpid() % 10000}-{test_tag}".lower()[:60].rstrip("-")
@@ -125,7 +126,6 @@ def machines(request, runtime, loop_thread, guest_image):
             return loop_thread.run(coroutine, timeout)
 
     factory = Factory()
-    factory.made = []
     yield factory
     if failed(request):
         keep_consoles(request, [runtime.console_log(vm_id) for vm_id in factory.made])
