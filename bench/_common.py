@@ -38,7 +38,7 @@ from rich.table import Table
 from boxd.errors import NotFound
 from boxd.guest.image import Image, ImageRecipe, ensure_image
 from boxd.runtime.interface import ExecRequest, VMSpec
-from boxd.runtime.local import LocalRuntime
+from boxd.runtime.local import LocalRuntime, stop_processes
 
 # Wide enough for the tables when the output goes to a file (rich would assume 80 columns).
 console = Console(width=None if sys.stdout.isatty() else 180)
@@ -370,38 +370,7 @@ class Report:
         console.print(f"results written to {path}")
 
 
-# -- processes (kept here, not borrowed from the runtime, so cleanup never depends on its internals)
-
-
-def read_pidfile(path: Path) -> int | None:
-    try:
-        return int(path.read_text().strip())
-    except (OSError, ValueError):
-        return None
-
-
-def ours(pid: int | None, marker: str) -> bool:
-    """``pid`` runs, is not a zombie, and its command line names ``marker``."""
-    if pid is None:
-        return False
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][:1]
-    except (OSError, IndexError):
-        return False
-    return state != "Z" and marker.encode() in cmdline
-
-
-async def end_process(pid: int | None, marker: str) -> None:
-    """SIGTERM, then SIGKILL, a process of ours; only by its pid."""
-    for signum, grace in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
-        if not ours(pid, marker):
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signum)
-        deadline = time.monotonic() + grace
-        while ours(pid, marker) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+# -- processes ---------------------------------------------------------------------------
 
 
 async def sweep(shm_dir: Path) -> None:
@@ -411,5 +380,4 @@ async def sweep(shm_dir: Path) -> None:
     for run_dir in shm_dir.iterdir():
         if not run_dir.is_dir():
             continue
-        await end_process(read_pidfile(run_dir / "qemu.pid"), str(run_dir) + "/")
-        await end_process(read_pidfile(run_dir / "passt.pid"), str(run_dir / "net.sock"))
+        await stop_processes(run_dir)

@@ -31,12 +31,9 @@ from typing import Any, Self
 
 import boxd.runtime.local as local_module
 from boxd.runtime.agent_client import AgentClient
+from boxd.runtime.local import stop_processes
+from boxd.runtime.network import start_passt
 from boxd.runtime.qemu import Launch, Monitor, create_overlay, start_qemu
-
-try:
-    from boxd.runtime.network import start_passt
-except ImportError:  # a runtime whose machines use QEMU's own network
-    start_passt = None
 
 from _common import (
     Bench,
@@ -47,14 +44,12 @@ from _common import (
     base_parser,
     bench_image,
     console,
-    end_process,
     host_facts,
     median,
     mem_available,
     mib,
     ms,
     percentile,
-    read_pidfile,
     run,
     smaps_rollup,
     summary,
@@ -253,7 +248,7 @@ class ForkBench:
         monitor = Monitor(launch.qmp_socket, name)
         try:
             started = time.monotonic()
-            if start_passt is not None and "net.sock" in " ".join(launch.argv()):
+            if not launch.isolated:
                 await start_passt(run_dir)
             network = time.monotonic()
             await start_qemu(launch)
@@ -265,8 +260,7 @@ class ForkBench:
                 console.print(f"[yellow]bare QEMU status {status}[/yellow]")
         finally:
             await monitor.close()
-            await end_process(read_pidfile(run_dir / "qemu.pid"), str(run_dir) + "/")
-            await end_process(read_pidfile(run_dir / "passt.pid"), str(run_dir / "net.sock"))
+            await stop_processes(run_dir)
             shutil.rmtree(run_dir, ignore_errors=True)
             disk.unlink(missing_ok=True)
         return {

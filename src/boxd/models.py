@@ -15,7 +15,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from boxd.errors import BoxdError
 from boxd.runtime.interface import DEFAULT_USER
 
 # A DNS label, so that a machine name can become a host name later.

@@ -57,6 +57,12 @@ VM_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 MAX_FROZEN_LAYERS = 4
 
 
+async def stop_processes(run_dir: Path) -> None:
+    """QEMU and its network process, whichever of them runs from ``run_dir``."""
+    await stop_process(read_pid(run_dir / "qemu.pid"), str(run_dir) + "/")
+    await stop_process(read_pid(run_dir / "passt.pid"), str(run_dir / "net.sock"))
+
+
 @dataclass
 class Machine:
     """What the runtime knows of one machine, persisted as machine.json."""
@@ -233,10 +239,6 @@ class LocalRuntime:
             await start_passt(launch.run_dir)
         return await start_qemu(launch)
 
-    async def _stop_processes(self, run_dir: Path) -> None:
-        """QEMU and its network process, whichever of them runs from ``run_dir``."""
-        await stop_process(read_pid(run_dir / "qemu.pid"), str(run_dir) + "/")
-        await stop_process(read_pid(run_dir / "passt.pid"), str(run_dir / "net.sock"))
 
     def _check_room(self, spec: VMSpec) -> None:
         shm = os.statvfs(self.shm_dir)
@@ -329,7 +331,7 @@ class LocalRuntime:
             await monitor.close()
         if machine is not None:  # its pid may be known while its pidfile is not written yet
             await stop_process(machine.pid, self._marker(vm_id))
-        await self._stop_processes(self._run_dir(vm_id))
+        await stop_processes(self._run_dir(vm_id))
         shutil.rmtree(self._run_dir(vm_id), ignore_errors=True)
         shutil.rmtree(self._vm_dir(vm_id), ignore_errors=True)
         await self.collect_garbage()
@@ -599,7 +601,7 @@ class LocalRuntime:
             raise
         finally:
             await template_monitor.close()
-            await self._stop_processes(template.run_dir)
+            await stop_processes(template.run_dir)
             shutil.rmtree(template.run_dir, ignore_errors=True)
             template_disk.unlink(missing_ok=True)
         self._release(capture_id)
