@@ -58,6 +58,7 @@ class FakeRuntime:
         self.fail_ready = fail_ready
         self.adopted: set[str] = set()
         self.closed = False
+        self.collected = 0  # garbage collections asked for
 
     def _vm(self, vm_id: str) -> FakeVM:
         vm = self.host.vms.get(vm_id)
@@ -85,6 +86,9 @@ class FakeRuntime:
         for new_id in new_ids:
             self.host.vms[new_id] = FakeVM(source.spec, files=dict(source.files))
         return [self._info(new_id) for new_id in new_ids]
+
+    async def collect_garbage(self) -> None:
+        self.collected += 1
 
     async def adopt(self, vm_id: str) -> VMInfo:
         info = self._info(vm_id)

@@ -446,6 +446,7 @@ async def test_restart_readopts_and_marks_dead_machines_failed(plane, alice):
     restarted = await plane.restarted()
     try:
         assert restarted.runtime.adopted == {alive["id"], dead["id"]}
+        assert restarted.runtime.collected == 1  # what the dead daemon left half-done
         async with restarted.http(key) as zed:
             assert (await zed.get("/v1/machines")).status_code == 200  # keys survive
         async with restarted.http(restarted.key_for("alice")) as client:

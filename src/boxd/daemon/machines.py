@@ -124,6 +124,9 @@ class MachineService:
             elif machine.state.value != info.state.value:  # the runtime knows best
                 self._store.update_machine(machine.id, state=MachineState(info.state.value))
             event(log, "machine.adopted", machine=machine.id, state=info.state.value, pid=info.pid)
+        # What the previous daemon was doing when it died (a capture, a delete) may have
+        # left files or a template process behind.
+        await self._runtime.collect_garbage()
 
     async def close(self) -> None:
         """Stop watching and let go of the runtime; the machines keep running for the next daemon."""

@@ -91,3 +91,6 @@ class Runtime(Protocol):
 
     async def delete(self, vm_id: str) -> None:
         """Stop the machine if it runs and remove every process, socket and file of it."""
+
+    async def collect_garbage(self) -> None:
+        """Remove what no machine uses any more (disk layers, captures, stray templates)."""

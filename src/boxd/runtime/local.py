@@ -352,6 +352,8 @@ class LocalRuntime:
                     layer.unlink(missing_ok=True)
             for capture in self.captures_dir.iterdir():
                 if capture.name not in captures:
+                    # A daemon that died mid-capture left its template QEMU waiting.
+                    await stop_processes(capture / "template")
                     shutil.rmtree(capture, ignore_errors=True)
 
     async def close(self) -> None:
