@@ -162,3 +162,13 @@ def test_memory_being_written_during_the_capture_arrives_consistent(machines, ru
         machines.run(fork_ready(runtime, source, forks[-1]))
         assert machines.run(checks_after(runtime, forks[-1], count), timeout=120) == "ok"
     assert machines.run(checks_after(runtime, source, count), timeout=120) == "ok"
+
+
+def test_a_fork_of_an_isolated_machine_is_isolated_too(machines, runtime):
+    source = machines.new(isolated=True)
+    machines.run(sh(runtime, source, "echo inside > /home/boxd/note"))
+    fork = machines.track(f"{source}-f")
+    machines.run(fork_ready(runtime, source, fork))
+    assert machines.run(sh(runtime, fork, "cat /home/boxd/note")) == "inside"
+    assert runtime._machines[fork].spec.isolated
+    assert machines.run(sh(runtime, fork, "getent hosts pypi.org || echo no-dns")) == "no-dns"
