@@ -83,14 +83,16 @@ while True:
 # A fork's life as marks in time order, each with the label of the stretch that ends at
 # it. A mark that did not happen (no passt for an isolated machine, a function renamed)
 # folds its stretch into the next one.
+# A fork's QEMU starts as soon as the capture's instant is fixed, while the source's
+# memory still streams into the template, and then waits for the capture to end.
 FORK_MARKS = [
     ("call", None),
-    ("capture_end", "wait for the capture"),
-    ("overlay_begin", "load image (sync), prepare"),
+    ("overlay_begin", "until the capture's instant"),
     ("overlay_end", "qcow2 overlay (qemu-img)"),
     ("passt_end", "network: passt start"),
     ("qemu_end", "QEMU start (-daemonize)"),
     ("qmp_end", "QMP connect"),
+    ("capture_end", "rest of the capture (memory streaming)"),
     ("incoming_end", "state load (migrate-incoming)"),
     ("returned", "cont, fork() returns"),
     ("ping_end", "agent answers ping"),

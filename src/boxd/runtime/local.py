@@ -105,7 +105,8 @@ class Machine:
 class _Batch:
     """Fork requests waiting for the next capture of one source."""
 
-    future: asyncio.Future
+    frozen: asyncio.Future  # the Capture once its instant is fixed; its memory still streams in
+    done: asyncio.Future  # the same Capture once forks can load it
     forks: int = 0  # requests in it; each holds the capture until its forks have started
 
 
@@ -116,7 +117,6 @@ class Capture:
     id: str
     folder: Path
     disk_frozen: list[str]  # the source's chain at the instant, its last entry the newest
-    pause_s: float  # how long the source's vCPUs stood still
 
     @property
     def ram(self) -> Path:
@@ -422,10 +422,11 @@ class LocalRuntime:
                 raise Conflict(f"machine {new_id}: already exists", field="id")
         if not process_alive(source.pid, self._marker(source_id)):
             raise Conflict(f"machine {source_id}: not running, so it cannot be forked")
-        capture = await self._shared_capture(source)
+        batch = self._join_capture(source)
+        capture = await asyncio.shield(batch.frozen)
         try:
             results = await asyncio.gather(
-                *(self._start_clone(source, capture, new_id) for new_id in new_ids), return_exceptions=True
+                *(self._start_clone(source, batch, capture, new_id) for new_id in new_ids), return_exceptions=True
             )
         finally:
             self._release(capture.id)
@@ -438,14 +439,15 @@ class LocalRuntime:
             raise failures[0]
         return list(results)
 
-    async def _shared_capture(self, source: Machine) -> Capture:
+    def _join_capture(self, source: Machine) -> _Batch:
         """The next capture of ``source``, held for this request until it calls ``_release``."""
         batch = self._next_capture.get(source.id)
         if batch is None:
-            batch = self._next_capture[source.id] = _Batch(asyncio.get_running_loop().create_future())
+            loop = asyncio.get_running_loop()
+            batch = self._next_capture[source.id] = _Batch(loop.create_future(), loop.create_future())
             self._in_background(self._take_capture(source, batch))
         batch.forks += 1
-        return await asyncio.shield(batch.future)
+        return batch
 
     def _release(self, capture_id: str) -> None:
         """One user less; garbage collection may take a capture nobody holds or maps."""
@@ -466,18 +468,20 @@ class LocalRuntime:
             log.warning("background work failed: %s", task.exception())
 
     async def _take_capture(self, source: Machine, batch: _Batch) -> None:
-        waiting = batch.future
         lock = self._capture_locks.setdefault(source.id, asyncio.Lock())
         async with lock:
             try:
                 capture = await self._capture(source, batch)
-                waiting.set_result(capture)
+                batch.done.set_result(capture)
             except asyncio.CancelledError:
-                waiting.cancel()
+                batch.frozen.cancel()
+                batch.done.cancel()
                 raise
             except Exception as error:
-                waiting.set_exception(error)
-                waiting.exception()  # marked retrieved: waiters that went away leave no warning
+                for future in (batch.frozen, batch.done):
+                    if not future.done():
+                        future.set_exception(error)
+                        future.exception()  # marked retrieved: waiters that went away leave no warning
                 return
             finally:
                 # A capture that failed before its instant must not take later forks down with it.
@@ -579,7 +583,9 @@ class LocalRuntime:
             await monitor.execute("stop")
             paused_at = time.monotonic()
             try:
-                disk_frozen = await self._freeze_disk(source, monitor)
+                capture = Capture(id=capture_id, folder=folder, disk_frozen=await self._freeze_disk(source, monitor))
+                if batch is not None:
+                    batch.frozen.set_result(capture)  # its forks may start their QEMUs now
                 await monitor.execute("migrate", {"uri": f"unix:{stream}"})
                 if live:
                     # The snapshot restarts the vCPUs itself once the state is taken,
@@ -608,7 +614,7 @@ class LocalRuntime:
             template_disk.unlink(missing_ok=True)
         self._release(capture_id)
         log.info("capture taken source=%s capture=%s pause_ms=%.1f", source.id, capture_id, pause_s * 1000)
-        return Capture(id=capture_id, folder=folder, disk_frozen=disk_frozen, pause_s=pause_s)
+        return capture
 
     async def _freeze_disk(self, source: Machine, monitor: Monitor) -> list[str]:
         """Make the source's top layer read-only and give it a new one; returns the frozen chain."""
@@ -628,7 +634,7 @@ class LocalRuntime:
         self._save(source)
         return list(source.disk_frozen)
 
-    async def _start_clone(self, source: Machine, capture: Capture, new_id: str) -> VMInfo:
+    async def _start_clone(self, source: Machine, batch: _Batch, capture: Capture, new_id: str) -> VMInfo:
         image = await self._image(source.image_path)
         clone = Machine(
             id=new_id,
@@ -646,6 +652,9 @@ class LocalRuntime:
             clone.pid = await self._start(clone, image)
             monitor = await self._monitor(new_id)
             await set_capabilities(monitor, x_ignore_shared=True)
+            # Started while the capture's memory still streams into the template: it maps
+            # the RAM file now but reads it only once the template is gone.
+            await asyncio.shield(batch.done)
             await monitor.execute("migrate-incoming", {"uri": f"exec:cat {capture.state}"})
             await wait_incoming(monitor)
             await monitor.execute("cont")
