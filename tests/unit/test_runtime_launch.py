@@ -95,4 +95,7 @@ def test_agent_faults_map_by_code(code, expected):
 
 
 def test_agent_faults_name_the_field():
-    assert fault_to_error({"code": "invalid_input", "message": "cwd: no such directory '/x'"}).field == "cwd"
+    fault = {"code": "invalid_input", "message": "cwd: no such directory '/x'", "field": "cwd"}
+    assert fault_to_error(fault).field == "cwd"
+    # the field comes from the agent's answer, never from its wording
+    assert fault_to_error({"code": "invalid_input", "message": "cwd: no such directory '/x'"}).field is None

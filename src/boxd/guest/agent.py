@@ -42,9 +42,12 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 class AgentFault(Exception):
-    def __init__(self, code: str, message: str) -> None:
+    """An error answer: its code picks the host's error class, ``field`` names the input at fault."""
+
+    def __init__(self, code: str, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.field = field
 
 
 def _fault_from_oserror(error: OSError, path: str) -> AgentFault:
@@ -58,7 +61,7 @@ def _fault_from_oserror(error: OSError, path: str) -> AgentFault:
         errno.ENOTEMPTY: "conflict",
         errno.ENOSPC: "no_space",
     }
-    return AgentFault(codes.get(error.errno, "internal"), f"{path}: {error.strerror}")
+    return AgentFault(codes.get(error.errno, "internal"), f"{path}: {error.strerror}", "path" if path else None)
 
 
 def find_port() -> str:
@@ -125,7 +128,7 @@ def _account(user: str | None) -> pwd.struct_passwd:
     try:
         return pwd.getpwnam(user or "root")
     except KeyError:
-        raise AgentFault("invalid_input", f"user: no such user {user!r}") from None
+        raise AgentFault("invalid_input", f"user: no such user {user!r}", "user") from None
 
 
 def _read_etc_environment() -> dict[str, str]:
@@ -156,7 +159,7 @@ class Process:
         env = self._environment(request.get("env") or {})
         cwd = request.get("cwd") or self.account.pw_dir
         if not os.path.isdir(cwd):
-            raise AgentFault("invalid_input", f"cwd: no such directory {cwd!r}")
+            raise AgentFault("invalid_input", f"cwd: no such directory {cwd!r}", "cwd")
         stdin_data = request.get("stdin_data")
         self.keep_stdin = bool(request.get("stdin"))
         want_stdin = self.keep_stdin or stdin_data is not None
@@ -191,11 +194,11 @@ class Process:
         if request.get("argv"):
             argv = request["argv"]
             if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
-                raise AgentFault("invalid_input", "argv: must be a list of strings")
+                raise AgentFault("invalid_input", "argv: must be a list of strings", "argv")
             return argv
         if isinstance(request.get("shell"), str):
             return ["/bin/bash", "-c", request["shell"]]
-        raise AgentFault("invalid_input", "argv or shell: one of them is required")
+        raise AgentFault("invalid_input", "argv or shell: one of them is required", "argv")
 
     def _groups(self) -> list[int]:
         return [g.gr_gid for g in grp.getgrall() if self.account.pw_name in g.gr_mem]
@@ -263,12 +266,12 @@ class Process:
 
     def write_stdin(self, data: bytes) -> None:
         if self.popen.stdin is None or self.popen.stdin.closed:
-            raise AgentFault("conflict", "stdin: the process's stdin is closed")
+            raise AgentFault("conflict", "stdin: the process's stdin is closed", "stdin")
         try:
             self.popen.stdin.write(data)
             self.popen.stdin.flush()
         except BrokenPipeError:
-            raise AgentFault("conflict", "stdin: the process no longer reads its stdin") from None
+            raise AgentFault("conflict", "stdin: the process no longer reads its stdin", "stdin") from None
 
     def close_stdin(self) -> None:
         if self.popen.stdin is not None and not self.popen.stdin.closed:
@@ -304,7 +307,7 @@ class Agent:
                 continue
             handler = getattr(self, "op_" + op, None)
             if handler is None:
-                self.finish(request_id, _error(request_id, "unsupported", f"op: unknown operation {op!r}"))
+                self.finish(request_id, _error(request_id, "unsupported", f"op: unknown operation {op!r}", "op"))
             else:
                 self._answer(request_id, handler, request)
 
@@ -332,10 +335,10 @@ class Agent:
             result = handler(request) or {}
             message = {"id": request_id, "type": "result", **result}
         except AgentFault as fault:
-            message = _error(request_id, fault.code, str(fault))
+            message = _error(request_id, fault.code, str(fault), fault.field)
         except OSError as error:
             fault = _fault_from_oserror(error, request.get("path", ""))
-            message = _error(request_id, fault.code, str(fault))
+            message = _error(request_id, fault.code, str(fault), fault.field)
         except Exception as error:  # a bug here must not take the agent down
             message = _error(request_id, "internal", f"{type(error).__name__}: {error}")
         self.finish(request_id, message)
@@ -344,7 +347,7 @@ class Agent:
         try:
             process = Process(self, request_id, request)
         except AgentFault as fault:
-            self.finish(request_id, _error(request_id, fault.code, str(fault)))
+            self.finish(request_id, _error(request_id, fault.code, str(fault), fault.field))
             return
         except Exception as error:
             self.finish(request_id, _error(request_id, "internal", f"{type(error).__name__}: {error}"))
@@ -358,7 +361,7 @@ class Agent:
         with self.lock:
             process = self.processes.get(target)
         if process is None:
-            raise AgentFault("not_found", f"target: no running process {target!r}")
+            raise AgentFault("not_found", f"target: no running process {target!r}", "target")
         return process
 
     # -- operations -------------------------------------------------------------------
@@ -381,7 +384,7 @@ class Agent:
     def op_signal(self, request: dict) -> dict:
         signum = int(request.get("signal", signal.SIGTERM))
         if signum not in {s.value for s in signal.Signals}:
-            raise AgentFault("invalid_input", f"signal: unknown signal {signum}")
+            raise AgentFault("invalid_input", f"signal: unknown signal {signum}", "signal")
         self._process(request).signal(signum)
         return {}
 
@@ -402,7 +405,7 @@ class Agent:
         partial = _partial_path(path, str(request.get("upload", "")))
         account = _account(request.get("user"))
         if os.path.isdir(path):
-            raise AgentFault("invalid_input", f"path: {path} is a directory")
+            raise AgentFault("invalid_input", f"path: {path} is a directory", "path")
         if offset == 0:
             _make_parents(os.path.dirname(path), account)
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
@@ -429,7 +432,7 @@ class Agent:
         with open(path, "rb") as handle:
             info = os.fstat(handle.fileno())
             if stat.S_ISDIR(info.st_mode):
-                raise AgentFault("invalid_input", f"path: {path} is a directory")
+                raise AgentFault("invalid_input", f"path: {path} is a directory", "path")
             handle.seek(offset)
             data = handle.read(length)
         return {"data": _b64(data), "size": info.st_size, "eof": offset + len(data) >= info.st_size}
@@ -457,7 +460,7 @@ class Agent:
         path = _absolute(request.get("path"))
         existed = os.path.isdir(path)
         if os.path.exists(path) and not existed:
-            raise AgentFault("conflict", f"path: {path} exists and is not a directory")
+            raise AgentFault("conflict", f"path: {path} exists and is not a directory", "path")
         _make_parents(path, _account(request.get("user")))
         return {"created": not existed}
 
@@ -477,15 +480,18 @@ class Agent:
         return _entry(destination)
 
 
-def _error(request_id: str, code: str, message: str) -> dict:
-    return {"id": request_id, "type": "error", "code": code, "message": message}
+def _error(request_id: str, code: str, message: str, field: str | None = None) -> dict:
+    error = {"id": request_id, "type": "error", "code": code, "message": message}
+    if field is not None:
+        error["field"] = field
+    return error
 
 
 def _absolute(path) -> str:
     if not isinstance(path, str) or not path.startswith("/"):
-        raise AgentFault("invalid_input", f"path: must be an absolute path, got {path!r}")
+        raise AgentFault("invalid_input", f"path: must be an absolute path, got {path!r}", "path")
     if "\x00" in path:
-        raise AgentFault("invalid_input", "path: must not contain NUL")
+        raise AgentFault("invalid_input", "path: must not contain NUL", "path")
     return os.path.normpath(path)
 
 

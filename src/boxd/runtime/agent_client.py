@@ -45,7 +45,6 @@ class _ConnectionLost(Exception):
 def fault_to_error(event: dict[str, Any]) -> BoxdError:
     """Map an agent's error code (never its wording) onto boxd's hierarchy."""
     code, message = event.get("code", "internal"), event.get("message", "agent error")
-    field_name = message.split(":", 1)[0] if ":" in message else None
     by_code: dict[str, type[BoxdError]] = {
         "not_found": NotFound,
         "invalid_input": InvalidInput,
@@ -57,7 +56,7 @@ def fault_to_error(event: dict[str, Any]) -> BoxdError:
     }
     cls = by_code.get(code, VMError)
     if cls in (InvalidInput, Conflict):
-        return cls(message, field=field_name if field_name and " " not in field_name else None)
+        return cls(message, field=event.get("field"))
     return cls(message, agent_code=code)
 
 
