@@ -75,7 +75,6 @@ class Machine:
     top_node: str = "root"  # QMP node name of the top layer; each capture adds a new one
     ram_capture: str | None = None  # a fork maps this capture's RAM copy-on-write
     pid: int | None = None
-    paused: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -208,11 +207,14 @@ class LocalRuntime:
 
     # -- lifecycle --------------------------------------------------------------------
 
-    async def create(self, vm_id: str, spec: VMSpec) -> VMInfo:
+    def _check_new_id(self, vm_id: str) -> None:
         if not VM_ID.match(vm_id):
             raise InvalidInput(f"id: {vm_id!r} is not a valid machine id", field="id")
-        if self._vm_dir(vm_id).exists():
+        if vm_id in self._machines or self._vm_dir(vm_id).exists():
             raise Conflict(f"machine {vm_id}: already exists", field="id")
+
+    async def create(self, vm_id: str, spec: VMSpec) -> VMInfo:
+        self._check_new_id(vm_id)
         qemu_binary()  # before anything else: no QEMU is the most basic thing to report
         image = await self._image(spec.image)
         self._check_room(spec)
@@ -264,10 +266,7 @@ class LocalRuntime:
 
     async def info(self, vm_id: str) -> VMInfo:
         machine = self._machine(vm_id)
-        if process_alive(machine.pid, self._marker(vm_id)):
-            state = VMState.PAUSED if machine.paused else VMState.RUNNING
-        else:
-            state = VMState.FAILED
+        state = VMState.RUNNING if process_alive(machine.pid, self._marker(vm_id)) else VMState.FAILED
         return VMInfo(
             id=vm_id,
             state=state,
@@ -416,10 +415,7 @@ class LocalRuntime:
         """
         source = self._machine(source_id)
         for new_id in new_ids:
-            if not VM_ID.match(new_id):
-                raise InvalidInput(f"id: {new_id!r} is not a valid machine id", field="id")
-            if new_id in self._machines or self._vm_dir(new_id).exists():
-                raise Conflict(f"machine {new_id}: already exists", field="id")
+            self._check_new_id(new_id)
         if not process_alive(source.pid, self._marker(source_id)):
             raise Conflict(f"machine {source_id}: not running, so it cannot be forked")
         batch = self._join_capture(source)
