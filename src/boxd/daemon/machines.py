@@ -16,7 +16,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -25,7 +25,7 @@ from boxd.daemon.logs import event
 from boxd.daemon.store import Store
 from boxd.errors import BoxdError, Conflict, InvalidInput, NotFound, Timeout, VMError
 from boxd.models import ExecBody, ExecEvent, ExecResult, Machine, MachineCreate, MachineFork, MachineState
-from boxd.runtime.interface import ExecRequest, Runtime, VMSpec, VMState
+from boxd.runtime.interface import ExecRequest, Runtime, VMInfo, VMSpec, VMState
 
 log = logging.getLogger(__name__)
 
@@ -156,24 +156,20 @@ class MachineService:
         self._check_host_limits(request)
         machine = self._store.add_machine(account, new_machine_id(), request)
         event(log, "machine.creating", machine=machine.id, account=account, name=machine.name)
-        async with self._lock(machine.id):
-            try:
-                image = await self._images.digest()
-                self._store.update_machine(machine.id, image=image)
-                spec = VMSpec(
-                    image=image,
-                    vcpus=request.vcpus,
-                    memory_mib=request.memory_mib,
-                    disk_gib=request.disk_gib,
-                    isolated=request.isolated,
-                )
-                info = await self._runtime.create(machine.id, spec)
-            except BaseException as error:
-                self._fail(machine.id, _reason(error))
-                raise
-            event(log, "machine.started", machine=machine.id, pid=info.pid, accelerator=info.accelerator)
-            self._watch_readiness(machine.id)
-        return self._store.find_machine(account, machine.id)
+
+        async def boot() -> VMInfo:
+            image = await self._images.digest()
+            self._store.update_machine(machine.id, image=image)
+            spec = VMSpec(
+                image=image,
+                vcpus=request.vcpus,
+                memory_mib=request.memory_mib,
+                disk_gib=request.disk_gib,
+                isolated=request.isolated,
+            )
+            return await self._runtime.create(machine.id, spec)
+
+        return await self._bring_up(account, machine, boot, "machine.started")
 
     async def fork(self, account: str, ref: str, request: MachineFork) -> Machine:
         """A new machine continuing from this instant of a running one; counts against the quota."""
@@ -187,13 +183,24 @@ class MachineService:
         )
         machine = self._store.add_machine(account, new_machine_id(), copy, parent=source.id, image=source.image)
         event(log, "machine.forking", machine=machine.id, source=source.id, account=account, name=machine.name)
+
+        async def fork() -> VMInfo:
+            (info,) = await self._runtime.fork(source.id, [machine.id])
+            return info
+
+        return await self._bring_up(account, machine, fork, "machine.forked")
+
+    async def _bring_up(
+        self, account: str, machine: Machine, start: Callable[[], Awaitable[VMInfo]], started: str
+    ) -> Machine:
+        """Start a recorded machine's VM under its lock: failed if that fails, else watched until ready."""
         async with self._lock(machine.id):
             try:
-                (info,) = await self._runtime.fork(source.id, [machine.id])
+                info = await start()
             except BaseException as error:
                 self._fail(machine.id, _reason(error))
                 raise
-            event(log, "machine.forked", machine=machine.id, source=source.id, pid=info.pid)
+            event(log, started, machine=machine.id, pid=info.pid, accelerator=info.accelerator)
             self._watch_readiness(machine.id)
         return self._store.find_machine(account, machine.id)
 
