@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 VM_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 # Captures a machine's disk chain may hold before it is streamed back to one layer.
 MAX_FROZEN_LAYERS = 4
+# Bytes per second: QEMU refuses more than SIZE_MAX, and nothing local comes close to this.
+UNLIMITED_BANDWIDTH = 1 << 40
 
 
 async def stop_processes(run_dir: Path) -> None:
@@ -571,6 +573,9 @@ class LocalRuntime:
             # x-ignore-shared off: a fork had it on to load its own state, and all of the
             # memory must reach the template.
             await set_capabilities(monitor, background_snapshot=live, x_ignore_shared=False)
+            # QEMU caps migration at 128 MiB/s by default, a limit meant for networks: the
+            # stream here is a local socket, and every forks waits for its end.
+            await monitor.execute("migrate-set-parameters", {"max-bandwidth": UNLIMITED_BANDWIDTH})
             # Forks asked for until this instant share it; later ones wait for the next.
             if batch is not None:
                 if self._next_capture.get(source.id) is batch:
