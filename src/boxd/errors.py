@@ -114,6 +114,13 @@ class ImageError(BoxdError):
     status = 500
 
 
+class SnapshotUnusable(BoxdError):
+    """A snapshot that cannot be used here: corrupt, or made by another QEMU, machine type or accelerator."""
+
+    code = "snapshot_unusable"
+    status = 409
+
+
 class VMError(BoxdError):
     """A virtual machine failed: QEMU would not start, died, or its agent broke the protocol."""
 

@@ -69,6 +69,11 @@ class MachineCreate(_Wire):
     memory_mib: int = Field(default=512, ge=MIN_MEMORY_MIB)
     disk_gib: int = Field(default=4, ge=1, le=MAX_DISK_GIB)
     isolated: bool = False
+    from_snapshot: str | None = Field(
+        default=None,
+        description="start at a snapshot's instant: NAME (its newest version), NAME@VERSION or its digest; "
+        "the machine then takes its size and isolation from the snapshot",
+    )
 
     @field_validator("name")
     @classmethod
@@ -100,6 +105,61 @@ class Machine(BaseModel):
     reason: str | None = Field(default=None, description="why the machine failed, when it did")
     created_at: datetime
     updated_at: datetime
+
+
+# -- checkpoints and snapshots -----------------------------------------------------------
+
+
+class CheckpointCreate(_Wire):
+    name: str
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_a_label(cls, name: str) -> str:
+        return check_dns_label(name, "a checkpoint name")
+
+
+class Checkpoint(BaseModel):
+    name: str
+    machine: str = Field(description="the id of the machine it belongs to")
+    pause_ms: float = Field(description="how long the machine stood still while it was taken")
+    created_at: datetime
+
+
+class SnapshotCreate(_Wire):
+    machine: str = Field(min_length=1, description="the machine to save, by name or id")
+    name: str
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_a_label(cls, name: str) -> str:
+        return check_dns_label(name, "a snapshot name")
+
+
+class SnapshotState(str, enum.Enum):
+    SAVING = "saving"
+    READY = "ready"
+    FAILED = "failed"
+
+
+class Snapshot(BaseModel):
+    """One version of a named snapshot; a version never changes once ready."""
+
+    name: str
+    version: int
+    ref: str = Field(description="NAME@VERSION")
+    state: SnapshotState
+    digest: str | None = Field(default=None, description="SHA-256 of its content, once ready")
+    machine: str = Field(description="the id of the machine it was saved from")
+    vcpus: int
+    memory_mib: int
+    disk_gib: int
+    isolated: bool
+    size_bytes: int | None = Field(default=None, description="on disk, compressed")
+    pause_ms: float | None = None
+    progress: float | None = Field(default=None, description="0 to 1 while saving")
+    reason: str | None = Field(default=None, description="why saving failed, when it did")
+    created_at: datetime
 
 
 # -- commands ----------------------------------------------------------------------------

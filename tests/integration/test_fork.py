@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from boxd.runtime.interface import ExecRequest
+from guest import fork_ready, gather, sh
 
 pytestmark = pytest.mark.vm
 
@@ -15,22 +15,6 @@ COUNTER = (
     "nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done' "
     ">/dev/null 2>&1 & echo $!"
 )
-
-
-async def sh(runtime, vm_id: str, command: str) -> str:
-    events = [event async for event in runtime.exec(vm_id, ExecRequest(shell=command))]
-    assert events[-1].exit_code == 0, (command, events)
-    return b"".join(e.data for e in events if e.kind == "stdout").decode().strip()
-
-
-async def gather(*coroutines):
-    return await asyncio.gather(*coroutines)
-
-
-async def fork_ready(runtime, source: str, new_id: str) -> str:
-    await runtime.fork(source, [new_id])
-    await runtime.wait_ready(new_id, timeout=60)
-    return new_id
 
 
 def test_a_fork_continues_the_same_processes_memory_and_files(machines, runtime):

@@ -25,6 +25,8 @@ from boxd.daemon.logs import event
 from boxd.daemon.machines import MachineService
 from boxd.daemon.routes import admin, health
 from boxd.daemon.routes import machines as machine_routes
+from boxd.daemon.routes import snapshots as snapshot_routes
+from boxd.daemon.snapshots import SnapshotService
 from boxd.daemon.store import Store
 from boxd.errors import BoxdError
 from boxd.models import ErrorBody
@@ -98,10 +100,14 @@ class RequestLog:
 
 
 def create_app(*, store: Store, keys: Keys, machines: MachineService, local_socket: str) -> FastAPI:
+    snapshots = SnapshotService(store, machines.runtime, machines)
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await machines.recover()
+        await snapshots.recover()
         yield
+        await snapshots.close()
         await machines.close()
 
     app = FastAPI(
@@ -114,9 +120,11 @@ def create_app(*, store: Store, keys: Keys, machines: MachineService, local_sock
     app.state.store = store
     app.state.keys = keys
     app.state.machines = machines
+    app.state.snapshots = snapshots
     app.state.local_socket = local_socket
     app.include_router(health.router)
     app.include_router(machine_routes.router)
+    app.include_router(snapshot_routes.router)
     app.include_router(admin.router)
     app.add_exception_handler(BoxdError, _boxd_error)
     app.add_exception_handler(RequestValidationError, _validation_error)

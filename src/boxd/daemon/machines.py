@@ -24,7 +24,17 @@ from typing import Protocol
 from boxd.daemon.logs import event
 from boxd.daemon.store import Store
 from boxd.errors import BoxdError, Conflict, InvalidInput, NotFound, Timeout, VMError
-from boxd.models import ExecBody, ExecEvent, ExecResult, Machine, MachineCreate, MachineFork, MachineState
+from boxd.models import (
+    Checkpoint,
+    ExecBody,
+    ExecEvent,
+    ExecResult,
+    Machine,
+    MachineCreate,
+    MachineFork,
+    MachineState,
+    SnapshotState,
+)
 from boxd.runtime.interface import ExecRequest, Runtime, VMInfo, VMSpec, VMState
 
 log = logging.getLogger(__name__)
@@ -84,7 +94,7 @@ def new_machine_id() -> str:
     return f"m-{secrets.token_hex(6)}"
 
 
-def _reason(error: BaseException) -> str:
+def reason_of(error: BaseException) -> str:
     return error.message if isinstance(error, BoxdError) else f"{type(error).__name__}: {error}"
 
 
@@ -101,6 +111,7 @@ class MachineService:
     def __init__(self, store: Store, runtime: ClosableRuntime, *, images: ImageCache, limits: Limits) -> None:
         self._store = store
         self._runtime = runtime
+        self.runtime = runtime
         self._images = images
         self.limits = limits
         self._becoming_ready: dict[str, asyncio.Task] = {}
@@ -149,13 +160,28 @@ class MachineService:
                 field="memory_mib",
             )
 
-    def _lock(self, machine_id: str) -> asyncio.Lock:
+    def lifecycle_lock(self, machine_id: str) -> asyncio.Lock:
         return self._lifecycle_locks.setdefault(machine_id, asyncio.Lock())
 
     async def create(self, account: str, request: MachineCreate) -> Machine:
+        snapshot = None
+        if request.from_snapshot is not None:
+            snapshot = self._store.find_snapshot(account, request.from_snapshot)
+            if snapshot.state is not SnapshotState.READY:
+                raise Conflict(f"snapshot {snapshot.ref} is {snapshot.state.value}", field="from_snapshot")
+            # The machine is what the snapshot holds: its RAM size and devices come with it.
+            request = request.model_copy(
+                update={
+                    "vcpus": snapshot.vcpus,
+                    "memory_mib": snapshot.memory_mib,
+                    "disk_gib": snapshot.disk_gib,
+                    "isolated": snapshot.isolated,
+                }
+            )
         self._check_host_limits(request)
         machine = self._store.add_machine(account, new_machine_id(), request)
-        event(log, "machine.creating", machine=machine.id, account=account, name=machine.name)
+        event(log, "machine.creating", machine=machine.id, account=account, name=machine.name,
+              snapshot=snapshot.ref if snapshot else None)
 
         async def boot() -> VMInfo:
             image = await self._images.digest()
@@ -167,13 +193,13 @@ class MachineService:
                 disk_gib=request.disk_gib,
                 isolated=request.isolated,
             )
-            return await self._runtime.create(machine.id, spec)
+            return await self._runtime.create(machine.id, spec, snapshot=snapshot.digest if snapshot else None)
 
         return await self._bring_up(account, machine, boot, "machine.started")
 
     async def fork(self, account: str, ref: str, request: MachineFork) -> Machine:
         """A new machine continuing from this instant of a running one; counts against the quota."""
-        source = await self._usable(account, ref)
+        source = await self.usable(account, ref)
         copy = MachineCreate(
             name=request.name,
             vcpus=source.vcpus,
@@ -194,11 +220,11 @@ class MachineService:
         self, account: str, machine: Machine, start: Callable[[], Awaitable[VMInfo]], started: str
     ) -> Machine:
         """Start a recorded machine's VM under its lock: failed if that fails, else watched until ready."""
-        async with self._lock(machine.id):
+        async with self.lifecycle_lock(machine.id):
             try:
                 info = await start()
             except BaseException as error:
-                self._fail(machine.id, _reason(error))
+                self._fail(machine.id, reason_of(error))
                 raise
             event(log, started, machine=machine.id, pid=info.pid, accelerator=info.accelerator)
             self._watch_readiness(machine.id)
@@ -221,7 +247,7 @@ class MachineService:
         except asyncio.CancelledError:
             raise
         except Exception as error:
-            self._fail(machine_id, _reason(error))
+            self._fail(machine_id, reason_of(error))
             return
         if self._store.update_machine(machine_id, state=MachineState.RUNNING, only_from=MachineState.STARTING):
             event(log, "machine.ready", machine=machine_id, boot_s=round(time.monotonic() - started, 2))
@@ -247,7 +273,7 @@ class MachineService:
 
     async def delete(self, account: str, ref: str) -> Machine:
         machine_id = self._store.find_machine(account, ref).id
-        async with self._lock(machine_id):
+        async with self.lifecycle_lock(machine_id):
             # Found again under the lock: a concurrent delete may have won.
             machine = self._store.find_machine(account, machine_id)
             task = self._becoming_ready.pop(machine_id, None)
@@ -281,14 +307,57 @@ class MachineService:
             )
         return machine
 
-    async def _usable(self, account: str, ref: str) -> Machine:
+    async def usable(self, account: str, ref: str) -> Machine:
         """A running machine to work in, waiting for it if it is still starting."""
         return await self.wait_ready(account, ref, self.limits.ready_timeout_s)
+
+    # -- checkpoints ------------------------------------------------------------------
+
+    async def save_checkpoint(self, account: str, ref: str, name: str) -> Checkpoint:
+        machine = await self.usable(account, ref)
+        if any(existing.name == name for existing in self._store.list_checkpoints(machine.id)):
+            raise Conflict(f"machine {machine.name} has a checkpoint named {name} already", field="name")
+        taken = await self._runtime.checkpoint(machine.id)
+        try:
+            saved = self._store.add_checkpoint(machine.id, name, taken.id, round(taken.pause_s * 1000, 1))
+        except BoxdError:  # a concurrent save took the name first
+            await self._runtime.drop_checkpoint(machine.id, taken.id)
+            raise
+        event(log, "checkpoint.saved", machine=machine.id, name=name, pause_ms=saved.pause_ms)
+        return saved
+
+    async def list_checkpoints(self, account: str, ref: str) -> list[Checkpoint]:
+        return self._store.list_checkpoints(self._store.find_machine(account, ref).id)
+
+    async def restore_checkpoint(self, account: str, ref: str, name: str) -> Machine:
+        """Rewind the machine in place; returns once it runs again, with its name and id."""
+        machine = self._store.find_machine(account, ref)
+        capture = self._store.checkpoint_capture(machine.id, name)
+        async with self.lifecycle_lock(machine.id):
+            started = time.monotonic()
+            try:
+                await self._runtime.restore(machine.id, capture)
+                await self._runtime.wait_ready(machine.id, self.limits.ready_timeout_s)
+            except BoxdError as error:
+                self._fail(machine.id, f"restoring checkpoint {name} failed: {error.message}")
+                raise
+            self._store.update_machine(machine.id, state=MachineState.RUNNING)
+        event(log, "checkpoint.restored", machine=machine.id, name=name, seconds=round(time.monotonic() - started, 3))
+        return self._store.find_machine(account, machine.id)
+
+    async def delete_checkpoint(self, account: str, ref: str, name: str) -> None:
+        machine = self._store.find_machine(account, ref)
+        capture = self._store.checkpoint_capture(machine.id, name)
+        async with self.lifecycle_lock(machine.id):
+            with contextlib.suppress(NotFound):  # gone from the runtime already
+                await self._runtime.drop_checkpoint(machine.id, capture)
+            self._store.delete_checkpoint(machine.id, name)
+        event(log, "checkpoint.deleted", machine=machine.id, name=name)
 
     # -- inside the machine -----------------------------------------------------------
 
     async def exec_stream(self, account: str, ref: str, body: ExecBody) -> AsyncIterator[ExecEvent]:
-        machine = await self._usable(account, ref)
+        machine = await self.usable(account, ref)
         request = ExecRequest(
             argv=body.argv,
             shell=body.cmd,
@@ -328,13 +397,13 @@ class MachineService:
     async def write_file(
         self, account: str, ref: str, path: str, chunks: AsyncIterator[bytes], *, mode: int | None, user: str
     ) -> int:
-        machine = await self._usable(account, ref)
+        machine = await self.usable(account, ref)
         size = await self._runtime.write_file(machine.id, path, chunks, mode=mode, user=user)
         event(log, "machine.file_written", machine=machine.id, path=path, size=size)
         return size
 
     async def read_file(self, account: str, ref: str, path: str) -> AsyncIterator[bytes]:
-        machine = await self._usable(account, ref)
+        machine = await self.usable(account, ref)
         event(log, "machine.file_read", machine=machine.id, path=path)
         async for chunk in self._runtime.read_file(machine.id, path):
             yield chunk

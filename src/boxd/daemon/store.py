@@ -17,7 +17,17 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from boxd.errors import Conflict, NotFound, QuotaExceeded
-from boxd.models import ALIVE_STATES, Account, ApiKey, Machine, MachineCreate, MachineState
+from boxd.models import (
+    ALIVE_STATES,
+    Account,
+    ApiKey,
+    Checkpoint,
+    Machine,
+    MachineCreate,
+    MachineState,
+    Snapshot,
+    SnapshotState,
+)
 
 DEFAULT_MAX_MACHINES = 50
 
@@ -59,6 +69,38 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE machines ADD COLUMN parent TEXT;
     """,
+    # 3: checkpoints belong to a machine; snapshots to an account, one row a version.
+    # A deleted version keeps its row, so that its number is never given out again.
+    """
+    CREATE TABLE checkpoints (
+        machine TEXT NOT NULL REFERENCES machines(id),
+        name TEXT NOT NULL,
+        capture TEXT NOT NULL,
+        pause_ms REAL NOT NULL,
+        created_at REAL NOT NULL,
+        PRIMARY KEY (machine, name)
+    );
+    CREATE TABLE snapshots (
+        account TEXT NOT NULL REFERENCES accounts(name),
+        name TEXT NOT NULL,
+        version INTEGER NOT NULL,
+        state TEXT NOT NULL,
+        digest TEXT,
+        machine TEXT NOT NULL,
+        capture TEXT,
+        vcpus INTEGER NOT NULL,
+        memory_mib INTEGER NOT NULL,
+        disk_gib INTEGER NOT NULL,
+        isolated INTEGER NOT NULL,
+        size_bytes INTEGER,
+        pause_ms REAL,
+        reason TEXT,
+        created_at REAL NOT NULL,
+        deleted_at REAL,
+        PRIMARY KEY (account, name, version)
+    );
+    CREATE INDEX snapshots_by_digest ON snapshots(digest);
+    """,
 ]
 
 _ALIVE = tuple(state.value for state in ALIVE_STATES)
@@ -83,6 +125,29 @@ def _machine(row: sqlite3.Row) -> Machine:
         reason=row["reason"],
         created_at=_when(row["created_at"]),
         updated_at=_when(row["updated_at"]),
+    )
+
+
+def _checkpoint(row: sqlite3.Row) -> Checkpoint:
+    return Checkpoint(name=row["name"], machine=row["machine"], pause_ms=row["pause_ms"], created_at=_when(row["created_at"]))
+
+
+def _snapshot(row: sqlite3.Row) -> Snapshot:
+    return Snapshot(
+        name=row["name"],
+        version=row["version"],
+        ref=f"{row['name']}@{row['version']}",
+        state=SnapshotState(row["state"]),
+        digest=row["digest"],
+        machine=row["machine"],
+        vcpus=row["vcpus"],
+        memory_mib=row["memory_mib"],
+        disk_gib=row["disk_gib"],
+        isolated=bool(row["isolated"]),
+        size_bytes=row["size_bytes"],
+        pause_ms=row["pause_ms"],
+        reason=row["reason"],
+        created_at=_when(row["created_at"]),
     )
 
 
@@ -297,4 +362,131 @@ class Store:
                 "UPDATE machines SET state = ?, deleted_at = ?, updated_at = ? WHERE id = ? AND deleted_at IS NULL",
                 (MachineState.DELETED.value, now, now, machine_id),
             )
+            # A checkpoint belongs to its machine and goes with it.
+            db.execute("DELETE FROM checkpoints WHERE machine = ?", (machine_id,))
             return _machine(db.execute("SELECT * FROM machines WHERE id = ?", (machine_id,)).fetchone())
+
+    # -- checkpoints ------------------------------------------------------------------
+
+    def add_checkpoint(self, machine_id: str, name: str, capture: str, pause_ms: float) -> Checkpoint:
+        with self._transaction() as db:
+            if db.execute("SELECT 1 FROM checkpoints WHERE machine = ? AND name = ?", (machine_id, name)).fetchone():
+                raise Conflict(f"the machine has a checkpoint named {name} already", field="name")
+            db.execute(
+                "INSERT INTO checkpoints (machine, name, capture, pause_ms, created_at) VALUES (?, ?, ?, ?, ?)",
+                (machine_id, name, capture, pause_ms, time.time()),
+            )
+            return _checkpoint(
+                db.execute("SELECT * FROM checkpoints WHERE machine = ? AND name = ?", (machine_id, name)).fetchone()
+            )
+
+    def checkpoint_capture(self, machine_id: str, name: str) -> str:
+        """The runtime's id of a machine's checkpoint."""
+        rows = self._read("SELECT capture FROM checkpoints WHERE machine = ? AND name = ?", machine_id, name)
+        if not rows:
+            raise NotFound(f"the machine has no checkpoint named {name}", field="checkpoint")
+        return rows[0]["capture"]
+
+    def list_checkpoints(self, machine_id: str) -> list[Checkpoint]:
+        rows = self._read("SELECT * FROM checkpoints WHERE machine = ? ORDER BY created_at, name", machine_id)
+        return [_checkpoint(row) for row in rows]
+
+    def delete_checkpoint(self, machine_id: str, name: str) -> None:
+        with self._transaction() as db:
+            db.execute("DELETE FROM checkpoints WHERE machine = ? AND name = ?", (machine_id, name))
+
+    # -- snapshots --------------------------------------------------------------------
+
+    def add_snapshot(self, account: str, name: str, machine: Machine, capture: str, pause_ms: float) -> Snapshot:
+        """A new ``saving`` version of ``name``: one more than any version it ever had."""
+        with self._transaction() as db:
+            version = db.execute(
+                "SELECT coalesce(max(version), 0) + 1 FROM snapshots WHERE account = ? AND name = ?", (account, name)
+            ).fetchone()[0]
+            db.execute(
+                "INSERT INTO snapshots (account, name, version, state, machine, capture, vcpus, memory_mib,"
+                " disk_gib, isolated, pause_ms, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    account, name, version, SnapshotState.SAVING.value, machine.id, capture, machine.vcpus,
+                    machine.memory_mib, machine.disk_gib, int(machine.isolated), pause_ms, time.time(),
+                ),
+            )
+            return _snapshot(self._snapshot_row(db, account, name, version))
+
+    @staticmethod
+    def _snapshot_row(db: sqlite3.Connection, account: str, name: str, version: int) -> sqlite3.Row:
+        return db.execute(
+            "SELECT * FROM snapshots WHERE account = ? AND name = ? AND version = ?", (account, name, version)
+        ).fetchone()
+
+    def finish_snapshot(
+        self, account: str, name: str, version: int, *, digest: str | None = None, size_bytes: int | None = None,
+        reason: str | None = None,
+    ) -> None:
+        """Mark a saving version ready (with its digest) or failed (with the reason)."""
+        state = SnapshotState.FAILED if reason is not None else SnapshotState.READY
+        with self._transaction() as db:
+            db.execute(
+                "UPDATE snapshots SET state = ?, digest = ?, size_bytes = ?, reason = ?, capture = NULL"
+                " WHERE account = ? AND name = ? AND version = ?",
+                (state.value, digest, size_bytes, reason, account, name, version),
+            )
+
+    def find_snapshot(self, account: str, ref: str) -> Snapshot:
+        """NAME (its newest ready version), NAME@VERSION, or a digest (12 hex digits or more)."""
+        name, at, version = ref.partition("@")
+        if at:
+            if not version.isdigit():
+                raise NotFound(f"snapshot {ref}: the version after @ must be a number", field="snapshot")
+            rows = self._read(
+                "SELECT * FROM snapshots WHERE account = ? AND name = ? AND version = ? AND deleted_at IS NULL",
+                account, name, int(version),
+            )
+        else:
+            rows = self._read(
+                "SELECT * FROM snapshots WHERE account = ? AND name = ? AND state = ? AND deleted_at IS NULL"
+                " ORDER BY version DESC LIMIT 1",
+                account, name, SnapshotState.READY.value,
+            )
+            if not rows and len(ref) >= 12 and all(c in "0123456789abcdef" for c in ref):
+                rows = self._read(
+                    "SELECT * FROM snapshots WHERE account = ? AND digest LIKE ? AND deleted_at IS NULL"
+                    " ORDER BY created_at DESC LIMIT 1",
+                    account, f"{ref}%",
+                )
+        if not rows:
+            raise NotFound(f"no snapshot {ref}", field="snapshot")
+        return _snapshot(rows[0])
+
+    def snapshot_versions(self, account: str, name: str) -> list[Snapshot]:
+        rows = self._read(
+            "SELECT * FROM snapshots WHERE account = ? AND name = ? AND deleted_at IS NULL ORDER BY version",
+            account, name,
+        )
+        return [_snapshot(row) for row in rows]
+
+    def list_snapshots(self, account: str) -> list[Snapshot]:
+        rows = self._read(
+            "SELECT * FROM snapshots WHERE account = ? AND deleted_at IS NULL ORDER BY name, version", account
+        )
+        return [_snapshot(row) for row in rows]
+
+    def delete_snapshot(self, account: str, name: str, version: int) -> bool:
+        """Mark one version deleted; True if no live version anywhere still has its digest."""
+        with self._transaction() as db:
+            row = self._snapshot_row(db, account, name, version)
+            db.execute(
+                "UPDATE snapshots SET deleted_at = ? WHERE account = ? AND name = ? AND version = ?",
+                (time.time(), account, name, version),
+            )
+            if row["digest"] is None:
+                return False
+            left = db.execute(
+                "SELECT count(*) FROM snapshots WHERE digest = ? AND deleted_at IS NULL", (row["digest"],)
+            ).fetchone()[0]
+            return left == 0
+
+    def saving_snapshots(self) -> list[tuple[str, Snapshot, str | None]]:
+        """Every account's versions still marked saving, with their account and checkpoint."""
+        rows = self._read("SELECT * FROM snapshots WHERE state = ? AND deleted_at IS NULL", SnapshotState.SAVING.value)
+        return [(row["account"], _snapshot(row), row["capture"]) for row in rows]

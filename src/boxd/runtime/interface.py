@@ -8,11 +8,12 @@ boundary as plain data, so that it can cross a process boundary too.
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from boxd.runtime.agent_client import ExecEvent
+from boxd.runtime.snapshots import SnapshotManifest
 
 # Commands run and files are written as this guest user unless asked otherwise.
 DEFAULT_USER = "boxd"
@@ -63,9 +64,16 @@ class VMInfo:
     console_log: str
 
 
+@dataclass(frozen=True)
+class CheckpointTaken:
+    id: str  # the runtime's name for the capture; the daemon maps user names to it
+    pause_s: float  # how long the machine's vCPUs stood still
+
+
 class Runtime(Protocol):
-    async def create(self, vm_id: str, spec: VMSpec) -> VMInfo:
-        """Start a new machine from its image; returns once QEMU runs (not yet ready)."""
+    async def create(self, vm_id: str, spec: VMSpec, *, snapshot: str | None = None) -> VMInfo:
+        """Start a new machine from its image, or at a snapshot's instant (its digest);
+        returns once QEMU runs (not yet ready)."""
 
     async def adopt(self, vm_id: str) -> VMInfo:
         """Take over a machine a previous daemon started (after a restart)."""
@@ -91,6 +99,21 @@ class Runtime(Protocol):
 
     async def delete(self, vm_id: str) -> None:
         """Stop the machine if it runs and remove every process, socket and file of it."""
+
+    async def checkpoint(self, vm_id: str) -> CheckpointTaken:
+        """Keep this instant of a running machine; it goes when dropped or when the machine does."""
+
+    async def restore(self, vm_id: str, checkpoint_id: str) -> VMInfo:
+        """Rewind the machine in place to one of its checkpoints; it runs, not yet ready."""
+
+    async def drop_checkpoint(self, vm_id: str, checkpoint_id: str) -> None: ...
+
+    async def save_snapshot(
+        self, vm_id: str, checkpoint_id: str, progress: Callable[[int, int], None] | None = None
+    ) -> SnapshotManifest:
+        """Write a checkpoint out as a durable snapshot; ``progress(done, total)`` in bytes."""
+
+    async def delete_snapshot(self, digest: str) -> None: ...
 
     async def collect_garbage(self) -> None:
         """Remove what no machine uses any more (disk layers, captures, stray templates)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ import re
 import secrets
 import shutil
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,8 +32,19 @@ from boxd.errors import AgentUnavailable, BoxdError, Conflict, HostError, Invali
 from boxd.guest.image import Image, load_image
 from boxd.runtime.accel import Accelerator, detect_accelerator
 from boxd.runtime.agent_client import AgentClient, ExecEvent
-from boxd.runtime.interface import DEFAULT_USER, ExecRequest, VMInfo, VMSpec, VMState
+from boxd.runtime.interface import DEFAULT_USER, CheckpointTaken, ExecRequest, VMInfo, VMSpec, VMState
 from boxd.runtime.network import start_passt
+from boxd.runtime.snapshots import (
+    Progress,
+    SnapshotManifest,
+    check_usable,
+    read_manifest,
+    remove_partials,
+    remove_snapshot,
+    unpack_ram_and_state,
+    verify_files,
+    write_snapshot,
+)
 from boxd.runtime.qemu import (
     Launch,
     Monitor,
@@ -76,6 +88,8 @@ class Machine:
     disk_frozen: list[str] = field(default_factory=list)
     top_node: str = "root"  # QMP node name of the top layer; each capture adds a new one
     ram_capture: str | None = None  # a fork maps this capture's RAM copy-on-write
+    # Captures kept for this machine (its checkpoints), each with its disk chain then.
+    checkpoints: dict[str, list[str]] = field(default_factory=dict)
     pid: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -87,6 +101,7 @@ class Machine:
             "disk_frozen": self.disk_frozen,
             "top_node": self.top_node,
             "ram_capture": self.ram_capture,
+            "checkpoints": self.checkpoints,
         }
 
     @classmethod
@@ -99,6 +114,7 @@ class Machine:
             disk_frozen=list(data.get("disk_frozen", [])),
             top_node=data.get("top_node", "root"),
             ram_capture=data.get("ram_capture"),
+            checkpoints=dict(data.get("checkpoints", {})),
         )
 
 
@@ -118,6 +134,7 @@ class Capture:
     id: str
     folder: Path
     disk_frozen: list[str]  # the source's chain at the instant, its last entry the newest
+    pause_s: float = 0.0  # how long the source's vCPUs stood still for it
 
     @property
     def ram(self) -> Path:
@@ -135,8 +152,11 @@ class LocalRuntime:
         self.layers_dir = self.home / "layers"
         self.shm_dir = shm_dir(self.home)
         self.captures_dir = self.shm_dir / "captures"
-        for folder in (self.vms_dir, self.layers_dir, self.shm_dir, self.captures_dir):
+        self.snapshots_dir = self.home / "snapshots"
+        for folder in (self.vms_dir, self.layers_dir, self.shm_dir, self.captures_dir, self.snapshots_dir):
             folder.mkdir(parents=True, exist_ok=True)
+        # Saves that a dead daemon left half written; nothing else writes here yet.
+        remove_partials(self.snapshots_dir)
         self.accelerator = accelerator or detect_accelerator()
         self._machines: dict[str, Machine] = {}
         self._agents: dict[str, AgentClient] = {}
@@ -215,7 +235,8 @@ class LocalRuntime:
         if vm_id in self._machines or self._vm_dir(vm_id).exists():
             raise Conflict(f"machine {vm_id}: already exists", field="id")
 
-    async def create(self, vm_id: str, spec: VMSpec) -> VMInfo:
+    async def create(self, vm_id: str, spec: VMSpec, *, snapshot: str | None = None) -> VMInfo:
+        """Boot a new machine from its image, or, given a snapshot's digest, start it at that instant."""
         self._check_new_id(vm_id)
         qemu_binary()  # before anything else: no QEMU is the most basic thing to report
         image = await self._image(spec.image)
@@ -224,9 +245,12 @@ class LocalRuntime:
         self._vm_dir(vm_id).mkdir(parents=True)
         self._machines[vm_id] = machine
         try:
-            await create_overlay(self.layers_dir / machine.disk_top, image.rootfs, spec.disk_gib)
-            self._save(machine)
-            machine.pid = await self._start(machine, image)
+            if snapshot is None:
+                await create_overlay(self.layers_dir / machine.disk_top, image.rootfs, spec.disk_gib)
+                self._save(machine)
+                machine.pid = await self._start(machine, image)
+            else:
+                await self._create_from_snapshot(machine, image, snapshot)
         except BaseException:
             await self._remove(vm_id)
             raise
@@ -324,12 +348,7 @@ class LocalRuntime:
     async def _remove(self, vm_id: str) -> None:
         """The one cleanup path, for deletes and for failed starts alike."""
         machine = self._machines.pop(vm_id, None)
-        agent = self._agents.pop(vm_id, None)
-        if agent is not None:
-            await agent.close()
-        monitor = self._monitors.pop(vm_id, None)
-        if monitor is not None:
-            await monitor.close()
+        await self._disconnect(vm_id)
         if machine is not None:  # its pid may be known while its pidfile is not written yet
             await stop_process(machine.pid, self._marker(vm_id))
         await stop_processes(self._run_dir(vm_id))
@@ -348,6 +367,9 @@ class LocalRuntime:
                     layers.add(data["disk_top"])
                     layers.update(data.get("disk_frozen", []))
                     captures.add(data.get("ram_capture") or "")
+                    for capture_id, chain in data.get("checkpoints", {}).items():
+                        captures.add(capture_id)
+                        layers.update(chain)
             for layer in self.layers_dir.glob("*.qcow2"):
                 if layer.name not in layers:
                     layer.unlink(missing_ok=True)
@@ -465,9 +487,12 @@ class LocalRuntime:
         if not task.cancelled() and task.exception() is not None:
             log.warning("background work failed: %s", task.exception())
 
+    def _capture_lock(self, vm_id: str) -> asyncio.Lock:
+        """Held while a machine is captured or rewound: both change its processes and disk chain."""
+        return self._capture_locks.setdefault(vm_id, asyncio.Lock())
+
     async def _take_capture(self, source: Machine, batch: _Batch) -> None:
-        lock = self._capture_locks.setdefault(source.id, asyncio.Lock())
-        async with lock:
+        async with self._capture_lock(source.id):
             try:
                 capture = await self._capture(source, batch)
                 batch.done.set_result(capture)
@@ -485,15 +510,19 @@ class LocalRuntime:
                 # A capture that failed before its instant must not take later forks down with it.
                 if self._next_capture.get(source.id) is batch:
                     del self._next_capture[source.id]
-            # The template wrote every page, zero or not: give the zero ones back to
-            # tmpfs. Safe while forks map the file: a punched page reads as zeros still.
-            self._in_background(run_tool("fallocate", "--dig-holes", str(capture.ram)))
-            with contextlib.suppress(BoxdError):
-                # The source's guest clock stood still while it was stopped.
-                await self._agent(source.id).set_time()
-            if len(source.disk_frozen) > MAX_FROZEN_LAYERS:
-                # Under the capture lock: a capture would change the chain being streamed.
-                await self._shorten_chain(source)
+            await self._after_capture(source, capture)
+
+    async def _after_capture(self, source: Machine, capture: Capture) -> None:
+        """Tidy up after a capture; the caller holds the source's capture lock."""
+        # The template wrote every page, zero or not: give the zero ones back to
+        # tmpfs. Safe while forks map the file: a punched page reads as zeros still.
+        self._in_background(run_tool("fallocate", "--dig-holes", str(capture.ram)))
+        with contextlib.suppress(BoxdError):
+            # The source's guest clock stood still while it was stopped.
+            await self._agent(source.id).set_time()
+        if len(source.disk_frozen) > MAX_FROZEN_LAYERS:
+            # Under the capture lock: a capture would change the chain being streamed.
+            await self._shorten_chain(source)
 
     async def _shorten_chain(self, source: Machine) -> None:
         """Pull the frozen layers' data into the top layer: the chain is top on image again.
@@ -615,7 +644,7 @@ class LocalRuntime:
             template_disk.unlink(missing_ok=True)
         self._release(capture_id)
         log.info("capture taken source=%s capture=%s pause_ms=%.1f", source.id, capture_id, pause_s * 1000)
-        return capture
+        return dataclasses.replace(capture, pause_s=pause_s)
 
     async def _freeze_disk(self, source: Machine, monitor: Monitor) -> list[str]:
         """Make the source's top layer read-only and give it a new one; returns the frozen chain."""
@@ -650,17 +679,148 @@ class LocalRuntime:
         try:
             await create_overlay(self.layers_dir / clone.disk_top, self.layers_dir / capture.disk_frozen[-1])
             self._save(clone)
-            clone.pid = await self._start(clone, image)
-            monitor = await self._monitor(new_id)
-            await set_capabilities(monitor, x_ignore_shared=True)
             # Started while the capture's memory still streams into the template: it maps
             # the RAM file now but reads it only once the template is gone.
-            await asyncio.shield(batch.done)
-            await monitor.execute("migrate-incoming", {"uri": f"exec:cat {capture.state}"})
-            await wait_incoming(monitor)
-            await monitor.execute("cont")
+            await self._start_from_capture(clone, image, capture.state, asyncio.shield(batch.done))
         except BaseException:
             await self._remove(new_id)
             raise
         log.info("fork started source=%s id=%s pid=%s", source.id, new_id, clone.pid)
         return await self.info(new_id)
+
+    async def _start_from_capture(
+        self, machine: Machine, image: Image, state: Path, loadable: Awaitable[Any] | None = None
+    ) -> None:
+        """Start ``machine``'s QEMU on its capture's RAM, load the device state and let it run.
+
+        ``loadable``, when given, is awaited between the start and the load.
+        """
+        machine.pid = await self._start(machine, image)
+        monitor = await self._monitor(machine.id)
+        await set_capabilities(monitor, x_ignore_shared=True)
+        if loadable is not None:
+            await loadable
+        await monitor.execute("migrate-incoming", {"uri": f"exec:cat {state}"})
+        await wait_incoming(monitor)
+        await monitor.execute("cont")
+
+    # -- checkpoints and snapshots ----------------------------------------------------
+
+    async def checkpoint(self, vm_id: str) -> CheckpointTaken:
+        """Keep this instant of the machine (a capture it holds) so it can come back to it."""
+        machine = self._running(vm_id, "checkpointed")
+        async with self._capture_lock(vm_id):
+            capture = await self._capture(machine)
+            # Recorded before any await: garbage collection keeps what machine.json names.
+            machine.checkpoints[capture.id] = capture.disk_frozen
+            self._save(machine)
+            await self._after_capture(machine, capture)
+        return CheckpointTaken(id=capture.id, pause_s=capture.pause_s)
+
+    def _running(self, vm_id: str, what: str) -> Machine:
+        machine = self._machine(vm_id)
+        if not process_alive(machine.pid, self._marker(vm_id)):
+            raise Conflict(f"machine {vm_id}: not running, so it cannot be {what}")
+        return machine
+
+    def _checkpoint_chain(self, machine: Machine, checkpoint_id: str) -> list[str]:
+        chain = machine.checkpoints.get(checkpoint_id)
+        if chain is None:
+            raise NotFound(f"machine {machine.id}: no checkpoint {checkpoint_id}", field="checkpoint")
+        return chain
+
+    async def restore(self, vm_id: str, checkpoint_id: str) -> VMInfo:
+        """Rewind the machine in place to a checkpoint: same id, sockets and network, new process.
+
+        Its RAM then maps the checkpoint's copy-on-write, as a fork's does, and its disk
+        gets a new top layer on the checkpoint's; so the same checkpoint can be restored
+        again and again.
+        """
+        machine = self._machine(vm_id)
+        chain = self._checkpoint_chain(machine, checkpoint_id)
+        image = await self._image(machine.image_path)
+        async with self._capture_lock(vm_id):
+            started = time.monotonic()
+            await self._disconnect(vm_id)
+            await stop_process(machine.pid, self._marker(vm_id))
+            await stop_processes(self._run_dir(vm_id))
+            machine.disk_frozen, machine.ram_capture = list(chain), checkpoint_id
+            machine.disk_top, machine.top_node = f"{vm_id}-{secrets.token_hex(4)}.qcow2", "root"
+            await create_overlay(self.layers_dir / machine.disk_top, self.layers_dir / chain[-1])
+            self._save(machine)
+            await self._start_from_capture(machine, image, self.captures_dir / checkpoint_id / "state")
+        log.info("machine restored id=%s checkpoint=%s seconds=%.3f", vm_id, checkpoint_id, time.monotonic() - started)
+        await self.collect_garbage()
+        return await self.info(vm_id)
+
+    async def _disconnect(self, vm_id: str) -> None:
+        agent = self._agents.pop(vm_id, None)
+        if agent is not None:
+            await agent.close()
+        monitor = self._monitors.pop(vm_id, None)
+        if monitor is not None:
+            await monitor.close()
+
+    async def drop_checkpoint(self, vm_id: str, checkpoint_id: str) -> None:
+        machine = self._machine(vm_id)
+        self._checkpoint_chain(machine, checkpoint_id)
+        del machine.checkpoints[checkpoint_id]
+        self._save(machine)
+        await self.collect_garbage()
+
+    async def save_snapshot(self, vm_id: str, checkpoint_id: str, progress: Progress | None = None) -> SnapshotManifest:
+        """Write one of the machine's checkpoints out as a durable, compressed snapshot."""
+        machine = self._machine(vm_id)
+        chain = self._checkpoint_chain(machine, checkpoint_id)
+        image = await self._image(machine.image_path)
+        folder = self.captures_dir / checkpoint_id
+        self._captures_in_use[checkpoint_id] += 1  # even if the checkpoint is dropped meanwhile
+        try:
+            return await write_snapshot(
+                self.snapshots_dir,
+                ram=folder / "ram",
+                state=folder / "state",
+                disk_top=self.layers_dir / chain[-1],
+                image_rootfs=image.rootfs,
+                machine={**machine.spec.to_dict(), "image": image.digest, "accelerator": self.accelerator.name},
+                progress=progress,
+            )
+        finally:
+            self._release(checkpoint_id)
+
+    async def delete_snapshot(self, digest: str) -> None:
+        remove_snapshot(self.snapshots_dir, digest)
+
+    async def _create_from_snapshot(self, machine: Machine, image: Image, digest: str) -> None:
+        """Start a new machine at a snapshot's instant; its RAM and disk layer are shared by
+        every machine started from the same snapshot on this host."""
+        manifest = read_manifest(self.snapshots_dir, digest)
+        check_usable(manifest, self.accelerator.name)
+        if manifest.data["memory_mib"] != machine.spec.memory_mib:
+            raise InvalidInput(
+                f"memory_mib: snapshot {digest[:12]} holds {manifest.data['memory_mib']} MiB of RAM, "
+                f"not {machine.spec.memory_mib}",
+                field="memory_mib",
+            )
+        await asyncio.to_thread(verify_files, self.snapshots_dir, manifest)
+        capture_id = f"snapshot-{digest[:16]}"
+        capture = self.captures_dir / capture_id
+        layer = f"{capture_id}.qcow2"
+        self._captures_in_use[capture_id] += 1
+        try:
+            async with self._layers_lock:
+                if not (capture / "ready").exists():
+                    await unpack_ram_and_state(self.snapshots_dir, manifest, capture)
+                    (capture / "ready").touch()
+                if not (self.layers_dir / layer).exists():
+                    partial = self.layers_dir / f"{layer}.part"
+                    shutil.copyfile(self.snapshots_dir / digest / "disk.qcow2", partial)
+                    # The layer names its image's root filesystem by path, which may differ here.
+                    await run_tool("qemu-img", "rebase", "-u", "-F", "qcow2", "-b", str(image.rootfs), str(partial))
+                    os.replace(partial, self.layers_dir / layer)
+            machine.ram_capture, machine.disk_frozen = capture_id, [layer]
+            await create_overlay(self.layers_dir / machine.disk_top, self.layers_dir / layer)
+            self._save(machine)
+            await self._start_from_capture(machine, image, capture / "state")
+        finally:
+            self._release(capture_id)

@@ -33,6 +33,8 @@ AGENT_PORT = "org.boxd.agent"
 # share one address and MAC, which is what lets a fork keep its network configuration.
 GUEST_MAC = "52:54:00:12:34:56"
 KERNEL_CMDLINE = "console=ttyS0 panic=-1 quiet"
+# Device state only loads into the machine type it was saved from; snapshots record it.
+MACHINE_TYPE = "q35"
 
 
 def qemu_binary() -> str:
@@ -95,7 +97,7 @@ class Launch:
             "-name", f"boxd-{self.name}",
             "-nodefaults", "-no-user-config", "-display", "none",
             "-daemonize", "-pidfile", str(self.pidfile),
-            "-machine", "q35,memory-backend=mem",
+            "-machine", f"{MACHINE_TYPE},memory-backend=mem",
             *self.accelerator.qemu_args(),
             "-smp", str(self.vcpus),
             "-m", f"{self.memory_mib}M",

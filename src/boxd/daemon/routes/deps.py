@@ -9,6 +9,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from boxd.daemon.auth import Keys
 from boxd.daemon.machines import MachineService
+from boxd.daemon.snapshots import SnapshotService
 from boxd.daemon.store import Store
 from boxd.errors import Forbidden
 
@@ -28,6 +29,10 @@ def _machines(request: Request) -> MachineService:
     return request.app.state.machines
 
 
+def _snapshots(request: Request) -> SnapshotService:
+    return request.app.state.snapshots
+
+
 def _store(request: Request) -> Store:
     return request.app.state.store
 
@@ -45,6 +50,7 @@ def _local_socket_only(request: Request) -> None:
 
 AccountName = Annotated[str, Depends(_account)]
 Machines = Annotated[MachineService, Depends(_machines)]
+Snapshots = Annotated[SnapshotService, Depends(_snapshots)]
 StoreDep = Annotated[Store, Depends(_store)]
 KeysDep = Annotated[Keys, Depends(_keys)]
 LocalSocketOnly = Depends(_local_socket_only)

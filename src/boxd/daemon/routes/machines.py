@@ -12,7 +12,17 @@ from fastapi.responses import StreamingResponse
 from boxd.daemon.routes.deps import AccountName, Machines
 from boxd.errors import BoxdError, InvalidInput
 from boxd.errors import TooLarge
-from boxd.models import ExecBody, ExecEvent, ExecResult, FileWritten, Machine, MachineCreate, MachineFork
+from boxd.models import (
+    Checkpoint,
+    CheckpointCreate,
+    ExecBody,
+    ExecEvent,
+    ExecResult,
+    FileWritten,
+    Machine,
+    MachineCreate,
+    MachineFork,
+)
 from boxd.runtime.interface import DEFAULT_USER
 
 router = APIRouter(prefix="/v1/machines", tags=["machines"])
@@ -61,6 +71,28 @@ async def create_machine(body: MachineCreate, account: AccountName, machines: Ma
 async def fork_machine(ref: str, body: MachineFork, account: AccountName, machines: Machines) -> Machine:
     """A new machine that continues from this instant of ``ref``; ``starting`` until its agent answers."""
     return await machines.fork(account, ref, body)
+
+
+@router.post("/{ref}/checkpoints", status_code=201)
+async def save_checkpoint(ref: str, body: CheckpointCreate, account: AccountName, machines: Machines) -> Checkpoint:
+    """Keep this instant of the machine under ``name``; the machine pauses only briefly."""
+    return await machines.save_checkpoint(account, ref, body.name)
+
+
+@router.get("/{ref}/checkpoints")
+async def list_checkpoints(ref: str, account: AccountName, machines: Machines) -> list[Checkpoint]:
+    return await machines.list_checkpoints(account, ref)
+
+
+@router.post("/{ref}/checkpoints/{name}/restore")
+async def restore_checkpoint(ref: str, name: str, account: AccountName, machines: Machines) -> Machine:
+    """Rewind the machine in place to the checkpoint; it keeps its name and id. Returns once it runs."""
+    return await machines.restore_checkpoint(account, ref, name)
+
+
+@router.delete("/{ref}/checkpoints/{name}", status_code=204)
+async def delete_checkpoint(ref: str, name: str, account: AccountName, machines: Machines) -> None:
+    await machines.delete_checkpoint(account, ref, name)
 
 
 @router.get("")
