@@ -124,11 +124,11 @@ async def write_snapshot(
     progress: Progress | None = None,
 ) -> SnapshotManifest:
     """Write a snapshot of one capture under ``root``; returns its manifest and digest."""
+    total = ram.stat().st_size + disk_top.stat().st_size
+    done = 0
     root.mkdir(parents=True, exist_ok=True)
     partial = root / f".partial-{os.getpid()}-{os.urandom(4).hex()}"
     partial.mkdir()
-    total = ram.stat().st_size + disk_top.stat().st_size
-    done = 0
 
     def advance(count: int) -> None:
         nonlocal done
