@@ -49,6 +49,7 @@ from boxd.runtime.qemu import (
     Launch,
     Monitor,
     create_overlay,
+    fault_in_mapping,
     stop_process,
     process_alive,
     qemu_binary,
@@ -167,6 +168,7 @@ class LocalRuntime:
         self._next_capture: dict[str, _Batch] = {}
         self._captures_in_use: collections.Counter[str] = collections.Counter()
         self._background: set[asyncio.Task] = set()
+        self._ram_mapped: set[int] = set()  # QEMU pids whose guest RAM is faulted in
         log.info("runtime accelerator=%s reason=%r", self.accelerator.name, self.accelerator.reason)
 
     # -- paths ------------------------------------------------------------------------
@@ -589,16 +591,16 @@ class LocalRuntime:
         )
         template_monitor = Monitor(template.qmp_socket, template.name)
         stream = template.run_dir / "migrate.sock"
+        # A fork's RAM is a private mapping of its own capture, which userfaultfd could
+        # not write-protect here (the snapshot hung): such a source stays stopped while
+        # its memory moves.
+        live = source.ram_capture is None
         try:
             await create_overlay(template_disk, image.rootfs, source.spec.disk_gib)
-            await self._start_processes(template)
+            await asyncio.gather(self._start_processes(template), self._map_ram_in(source) if live else asyncio.sleep(0))
             await template_monitor.connect()
             await template_monitor.execute("migrate-incoming", {"uri": f"unix:{stream}"})
             monitor = await self._monitor(source.id)
-            # A fork's RAM is a private mapping of its own capture, which userfaultfd
-            # could not write-protect here (the snapshot hung): such a source stays
-            # stopped while its memory moves.
-            live = source.ram_capture is None
             # x-ignore-shared off: a fork had it on to load its own state, and all of the
             # memory must reach the template.
             await set_capabilities(monitor, background_snapshot=live, x_ignore_shared=False)
@@ -645,6 +647,23 @@ class LocalRuntime:
         self._release(capture_id)
         log.info("capture taken source=%s capture=%s pause_ms=%.1f", source.id, capture_id, pause_s * 1000)
         return dataclasses.replace(capture, pause_s=pause_s)
+
+    async def _map_ram_in(self, source: Machine) -> None:
+        """Fault all of the source's guest RAM into its QEMU's page tables now, while it runs.
+
+        A background snapshot first touches every page of guest RAM, with the vCPUs
+        stopped; a page that QEMU never mapped costs a page fault then (and tmpfs
+        allocates it). On a first capture that was most of the pause: 270-300 ms for a
+        512 MiB guest against about 30 ms for later ones. Once per QEMU process.
+        """
+        if source.pid is None or source.pid in self._ram_mapped:
+            return
+        ram = self._run_dir(source.id) / "ram"
+        try:
+            await asyncio.to_thread(fault_in_mapping, source.pid, ram)
+        except OSError as error:  # e.g. ptrace rules that forbid reading its memory: only slower
+            log.info("guest RAM not faulted in ahead machine=%s error=%s", source.id, error)
+        self._ram_mapped.add(source.pid)
 
     async def _freeze_disk(self, source: Machine, monitor: Monitor) -> list[str]:
         """Make the source's top layer read-only and give it a new one; returns the frozen chain."""

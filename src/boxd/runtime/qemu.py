@@ -241,6 +241,25 @@ async def stop_process(pid: int | None, marker: str) -> None:
     raise VMError(f"process {pid} did not exit after SIGKILL")
 
 
+def fault_in_mapping(pid: int, path: Path, chunk: int = 1 << 20) -> None:
+    """Make process ``pid`` map every page of its mapping of ``path``, by reading it
+    through ``/proc/PID/mem`` (which faults the pages into that process, not ours)."""
+    with open(f"/proc/{pid}/maps") as maps:
+        ranges = [
+            tuple(int(bound, 16) for bound in line.split()[0].split("-"))
+            for line in maps
+            if line.rstrip().endswith(" " + str(path))
+        ]
+    buffer = bytearray(chunk)
+    descriptor = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
+    try:
+        for start, end in ranges:
+            for offset in range(start, end, chunk):
+                os.preadv(descriptor, [memoryview(buffer)[: min(chunk, end - offset)]], offset)
+    finally:
+        os.close(descriptor)
+
+
 async def run_tool(*argv: str) -> str:
     process = await asyncio.create_subprocess_exec(
         *argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
