@@ -2,12 +2,16 @@
 
 ``FakeRuntime`` keeps to the ``Runtime`` protocol but runs commands as host processes
 (unit tests only: nothing is isolated) and keeps files in a dict. Its machines live in a
-``FakeHost`` that can outlive one runtime, the way QEMU processes outlive a daemon.
+``FakeHost`` that can outlive one runtime, the way QEMU processes outlive a daemon; so do
+its snapshots, the way snapshot folders outlive one. A checkpoint is a copy of a
+machine's files, and a snapshot a copy named by the SHA-256 of what it holds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import os
 import signal
 import threading
@@ -20,9 +24,11 @@ from typing import Any
 
 from boxd.daemon.machines import ImageCache, Limits
 from boxd.daemon.server import Daemon
-from boxd.errors import Conflict, NotFound, Timeout, VMError
+from boxd.daemon.snapshots import SnapshotService
+from boxd.errors import Conflict, InvalidInput, NotFound, Timeout, VMError
 from boxd.runtime.agent_client import ExecEvent
-from boxd.runtime.interface import ExecRequest, VMInfo, VMSpec, VMState
+from boxd.runtime.interface import CheckpointTaken, ExecRequest, VMInfo, VMSpec, VMState
+from boxd.runtime.snapshots import Progress, SnapshotManifest
 
 FAKE_IMAGE = "0" * 64
 
@@ -32,11 +38,20 @@ class FakeVM:
     spec: VMSpec
     alive: bool = True
     files: dict[str, bytes] = field(default_factory=dict)
+    # Checkpoint id -> the files at its instant; they go when the machine does.
+    checkpoints: dict[str, dict[str, bytes]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FakeSnapshot:
+    spec: VMSpec
+    files: dict[str, bytes]
 
 
 @dataclass
 class FakeHost:
     vms: dict[str, FakeVM] = field(default_factory=dict)
+    snapshots: dict[str, FakeSnapshot] = field(default_factory=dict)  # by digest
 
     def kill(self, vm_id: str) -> None:
         """The VM's process dies behind the daemon's back."""
@@ -51,11 +66,15 @@ class FakeRuntime:
         ready_after: float = 0.0,
         fail_create: Exception | None = None,
         fail_ready: Exception | None = None,
+        fail_snapshot: Exception | None = None,
+        snapshot_s: float = 0.0,
     ) -> None:
         self.host = host or FakeHost()
         self.ready_after = ready_after
         self.fail_create = fail_create
         self.fail_ready = fail_ready
+        self.fail_snapshot = fail_snapshot
+        self.snapshot_s = snapshot_s  # how long writing a snapshot takes, half done half way
         self.adopted: set[str] = set()
         self.closed = False
         self.collected = 0  # garbage collections asked for
@@ -71,12 +90,25 @@ class FakeRuntime:
         state = VMState.RUNNING if vm.alive else VMState.FAILED
         return VMInfo(vm_id, state, pid=os.getpid() if vm.alive else None, accelerator="fake", console_log="/dev/null")
 
-    async def create(self, vm_id: str, spec: VMSpec) -> VMInfo:
+    async def create(self, vm_id: str, spec: VMSpec, *, snapshot: str | None = None) -> VMInfo:
         if self.fail_create is not None:
             raise self.fail_create
         if vm_id in self.host.vms:
             raise Conflict(f"machine {vm_id}: already exists", field="id")
-        self.host.vms[vm_id] = FakeVM(spec)
+        files: dict[str, bytes] = {}
+        if snapshot is not None:
+            saved = self.host.snapshots.get(snapshot)
+            if saved is None:
+                raise NotFound(f"snapshot {snapshot[:12]}: no such snapshot on this host", field="snapshot")
+            # The real runtime refuses this too: the snapshot's RAM is of one size.
+            if saved.spec.memory_mib != spec.memory_mib:
+                raise InvalidInput(
+                    f"memory_mib: snapshot {snapshot[:12]} holds {saved.spec.memory_mib} MiB of RAM, "
+                    f"not {spec.memory_mib}",
+                    field="memory_mib",
+                )
+            files = dict(saved.files)
+        self.host.vms[vm_id] = FakeVM(spec, files=files)
         return self._info(vm_id)
 
     async def fork(self, source_id: str, new_ids: list[str]) -> list[VMInfo]:
@@ -89,6 +121,55 @@ class FakeRuntime:
 
     async def collect_garbage(self) -> None:
         self.collected += 1
+
+    def _checkpoint_files(self, vm_id: str, checkpoint_id: str) -> dict[str, bytes]:
+        files = self._vm(vm_id).checkpoints.get(checkpoint_id)
+        if files is None:
+            raise NotFound(f"machine {vm_id}: no checkpoint {checkpoint_id}", field="checkpoint")
+        return files
+
+    async def checkpoint(self, vm_id: str) -> CheckpointTaken:
+        vm = self._vm(vm_id)
+        if not vm.alive:
+            raise Conflict(f"machine {vm_id}: not running, so it cannot be checkpointed")
+        checkpoint_id = f"ckpt-{os.urandom(4).hex()}"
+        vm.checkpoints[checkpoint_id] = dict(vm.files)
+        return CheckpointTaken(checkpoint_id, pause_s=0.001)
+
+    async def restore(self, vm_id: str, checkpoint_id: str) -> VMInfo:
+        vm = self._vm(vm_id)
+        # A copy again: the same checkpoint can be restored again and again.
+        vm.files = dict(self._checkpoint_files(vm_id, checkpoint_id))
+        vm.alive = True  # a new process, whatever became of the old one
+        return self._info(vm_id)
+
+    async def drop_checkpoint(self, vm_id: str, checkpoint_id: str) -> None:
+        self._checkpoint_files(vm_id, checkpoint_id)
+        del self._vm(vm_id).checkpoints[checkpoint_id]
+
+    async def save_snapshot(self, vm_id: str, checkpoint_id: str, progress: Progress | None = None) -> SnapshotManifest:
+        spec = self._vm(vm_id).spec
+        files = dict(self._checkpoint_files(vm_id, checkpoint_id))
+        total = sum(len(data) for data in files.values())
+        if progress is not None:
+            progress(total // 2, total)
+        await asyncio.sleep(self.snapshot_s)
+        if self.fail_snapshot is not None:
+            raise self.fail_snapshot
+        # Named by its content, as a real one: the same files and spec give the same digest.
+        manifest = {
+            **spec.to_dict(),
+            "files": {path: {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+                      for path, data in files.items()},
+        }
+        digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+        self.host.snapshots[digest] = FakeSnapshot(spec, files)
+        if progress is not None:
+            progress(total, total)
+        return SnapshotManifest(digest, manifest)
+
+    async def delete_snapshot(self, digest: str) -> None:
+        self.host.snapshots.pop(digest, None)
 
     async def adopt(self, vm_id: str) -> VMInfo:
         info = self._info(vm_id)
@@ -257,14 +338,21 @@ class ControlPlane:
         headers = {"authorization": f"Bearer {key}"} if key else {}
         return httpx.AsyncClient(transport=self.transport(local=local), base_url=self.TCP_URL, headers=headers)
 
+    @property
+    def snapshots(self) -> SnapshotService:
+        return self.app.state.snapshots
+
     async def restarted(self, runtime: FakeRuntime | None = None) -> ControlPlane:
         """A new daemon over the same files, after this one stopped; it re-adopts machines."""
         await self.close()
         plane = ControlPlane(self.home, runtime or FakeRuntime(self.runtime.host), limits=self.limits)
+        # What the app's lifespan does; ASGITransport does not run it.
         await plane.machines.recover()
+        await plane.snapshots.recover()
         return plane
 
     async def close(self) -> None:
+        await self.snapshots.close()
         await self.machines.close()
         self.store.close()
 

@@ -29,13 +29,22 @@ from boxd.errors import (  # noqa: E402
     InvalidInput,
     NotFound,
     QuotaExceeded,
+    SnapshotUnusable,
     Timeout,
     TooLarge,
     Unsupported,
     VMError,
     VMLaunchFailure,
 )
-from boxd.models import ExecEvent, ExecResult, Machine, MachineState  # noqa: E402
+from boxd.models import (  # noqa: E402
+    Checkpoint,
+    ExecEvent,
+    ExecResult,
+    Machine,
+    MachineState,
+    Snapshot,
+    SnapshotState,
+)
 from boxd.sdk import AsyncBoxd, Boxd  # noqa: E402
 
 __all__ = [
@@ -44,6 +53,7 @@ __all__ = [
     "AuthError",
     "Boxd",
     "BoxdError",
+    "Checkpoint",
     "CommandFailed",
     "Conflict",
     "DaemonUnavailable",
@@ -57,6 +67,9 @@ __all__ = [
     "MachineState",
     "NotFound",
     "QuotaExceeded",
+    "Snapshot",
+    "SnapshotState",
+    "SnapshotUnusable",
     "Timeout",
     "TooLarge",
     "Unsupported",

@@ -93,13 +93,16 @@ class DaemonProcess:
     def log(self) -> str:
         return log_path(self.home).read_text(errors="replace")[-6000:]
 
-    def cli(self, *args: str, key: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
-        """``boxd ARGS...``: the embedded default (local socket and key) unless ``key``."""
+    def cli(
+        self, *args: str, key: str | None = None, check: bool = True, answer: str = ""
+    ) -> subprocess.CompletedProcess:
+        """``boxd ARGS...``: the embedded default (local socket and key) unless ``key``;
+        ``answer`` is what it reads on its standard input."""
         env = dict(self.env)
         if key is not None:
             env.update(BOXD_URL=self.url, BOXD_API_KEY=key)
         done = subprocess.run(
-            [sys.executable, "-m", "boxd", *args], env=env, capture_output=True, text=True, timeout=600
+            [sys.executable, "-m", "boxd", *args], env=env, capture_output=True, text=True, timeout=600, input=answer
         )
         if check:
             assert done.returncode == 0, f"boxd {' '.join(args)} exited {done.returncode}: {done.stderr}"
@@ -254,3 +257,44 @@ def test_a_killed_daemon_comes_back_to_its_running_machine(daemon):
         boxd.machines.delete("survivor")
     # The embedded CLI works against the restarted daemon too.
     assert daemon.cli("machine", "list").returncode == 0
+
+
+def test_checkpoints_and_versioned_snapshots_through_the_cli_and_a_daemon_restart(daemon):
+    daemon.cli("machine", "new", "baseline")
+    daemon.cli("machine", "exec", "baseline", "--", "echo v1 > /home/boxd/env")
+    machine_id = daemon.sdk().machines.get("baseline").id
+
+    # a checkpoint rewinds in place: same machine, same id
+    daemon.cli("machine", "checkpoint", "save", "baseline", "clean")
+    daemon.cli("machine", "exec", "baseline", "--", "echo dirty > /home/boxd/env")
+    declined = daemon.cli("machine", "checkpoint", "restore", "baseline", "clean", check=False, answer="n\n")
+    assert declined.returncode != 0
+    assert daemon.cli("machine", "exec", "baseline", "--", "cat /home/boxd/env").stdout == "dirty\n"
+    daemon.cli("machine", "checkpoint", "restore", "baseline", "clean", "-y")
+    assert daemon.cli("machine", "exec", "baseline", "--", "cat /home/boxd/env").stdout == "v1\n"
+    assert "clean" in daemon.cli("machine", "checkpoint", "list", "baseline").stdout
+    with daemon.sdk() as boxd:
+        assert boxd.machines.get("baseline").id == machine_id
+
+        # two versions of one name; neither overwrites the other
+        first = boxd.snapshots.save("baseline", "env")
+        boxd.machines.exec("baseline", "echo v2 > /home/boxd/env")
+        second = boxd.snapshots.save("baseline", "env")
+        assert (first.ref, second.ref) == ("env@1", "env@2")
+        assert first.digest != second.digest and first.state.value == second.state.value == "ready"
+        boxd.machines.delete("baseline")
+    assert "env@2" in daemon.cli("snapshots", "list").stdout
+
+    daemon.kill9()
+    daemon.start()
+    daemon.cli("machine", "new", "from-old", "--from-snapshot", "env@1")
+    daemon.cli("machine", "new", "from-new", "--from-snapshot", "env")
+    daemon.cli("machine", "new", "from-digest", "--from-snapshot", first.digest[:16])
+    assert daemon.cli("machine", "exec", "from-old", "--", "cat /home/boxd/env").stdout == "v1\n"
+    assert daemon.cli("machine", "exec", "from-new", "--", "cat /home/boxd/env").stdout == "v2\n"
+    assert daemon.cli("machine", "exec", "from-digest", "--", "cat /home/boxd/env").stdout == "v1\n"
+    for name in ("from-old", "from-new", "from-digest"):
+        daemon.cli("machine", "delete", name)
+    daemon.cli("snapshots", "delete", "env")
+    assert "env@" not in daemon.cli("snapshots", "list").stdout
+    assert not any((daemon.home / "snapshots").iterdir())

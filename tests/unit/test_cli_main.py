@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from click.testing import CliRunner
 from fakes import daemon_thread, short_home
@@ -106,7 +108,7 @@ def test_admin_commands_use_the_local_socket_even_when_boxd_url_is_set(boxd):
 
 def test_help_lists_the_command_groups(boxd):
     result = boxd("--help")
-    for group in ("machine", "keys", "accounts", "serve"):
+    for group in ("machine", "snapshots", "keys", "accounts", "serve"):
         assert group in result.stdout
 
 
@@ -128,3 +130,72 @@ def test_a_lazy_command_group_appears_only_when_its_module_exists(monkeypatch, t
     assert runner.invoke(cli, ["image", "--help"]).exit_code == 0
     monkeypatch.setitem(main._LAZY_COMMANDS, "image", "absent_image_cmd")
     assert "image" not in commands()
+
+
+def test_checkpoint_restore_asks_first(boxd, tmp_path):
+    state = tmp_path / "state"
+
+    def upload(text: str) -> None:
+        state.write_text(text)
+        assert boxd("machine", "files", "upload", "rl-base", str(state), "/state").exit_code == 0
+
+    def current() -> str:
+        back = tmp_path / "back"
+        assert boxd("machine", "files", "download", "rl-base", "/state", str(back)).exit_code == 0
+        return back.read_text()
+
+    assert boxd("machine", "new", "rl-base").exit_code == 0
+    upload("warm")
+    saved = boxd("machine", "checkpoint", "save", "rl-base", "warm")
+    assert saved.exit_code == 0 and "saved checkpoint warm of rl-base" in saved.stderr
+    listed = boxd("machine", "checkpoint", "list", "rl-base")
+    assert "warm" in listed.stdout and "PAUSE" in listed.stdout
+    upload("played")
+
+    declined = boxd("machine", "checkpoint", "restore", "rl-base", "warm", input=b"n\n")
+    assert declined.exit_code == 1
+    assert "Rewind rl-base to checkpoint warm?" in declined.stderr
+    assert "error: rl-base not restored" in declined.stderr
+    assert current() == "played"
+
+    confirmed = boxd("machine", "checkpoint", "restore", "rl-base", "warm", input=b"y\n")
+    assert confirmed.exit_code == 0 and "running" in confirmed.stdout
+    assert current() == "warm"
+    upload("played again")
+    without_asking = boxd("machine", "checkpoint", "restore", "rl-base", "warm", "-y")
+    assert without_asking.exit_code == 0 and "Rewind" not in without_asking.stderr
+    assert current() == "warm"
+
+    assert boxd("machine", "checkpoint", "delete", "rl-base", "warm").exit_code == 0
+    assert "warm" not in boxd("machine", "checkpoint", "list", "rl-base").stdout
+    missing = boxd("machine", "checkpoint", "restore", "rl-base", "warm", "-y")
+    assert missing.exit_code == 1 and "no checkpoint named warm" in missing.stderr
+
+
+def test_snapshots_save_list_get_and_new_from_one(boxd, tmp_path):
+    state = tmp_path / "state"
+    state.write_text("warm")
+    assert boxd("machine", "new", "source", "--memory", "256").exit_code == 0
+    assert boxd("machine", "files", "upload", "source", str(state), "/state").exit_code == 0
+
+    saved = boxd("snapshots", "save", "source", "base")
+    assert saved.exit_code == 0, saved.output
+    (digest,) = re.findall(r"\b[0-9a-f]{64}\b", boxd("snapshots", "get", "base").stdout)
+    assert "base@1" in saved.stdout and digest[:12] in saved.stdout and "4 B" in saved.stdout
+    assert digest not in saved.stdout  # shown short
+
+    listed = boxd("snapshots", "list")
+    assert "base@1" in listed.stdout and "ready" in listed.stdout and digest[:12] in listed.stdout
+
+    assert boxd("machine", "delete", "source").exit_code == 0
+    clone = boxd("machine", "new", "clone", "--from-snapshot", "base")
+    assert clone.exit_code == 0 and "256 MiB" in clone.stdout and "running" in clone.stdout
+    back = tmp_path / "back"
+    assert boxd("machine", "files", "download", "clone", "/state", str(back)).exit_code == 0
+    assert back.read_text() == "warm"
+
+    deleted = boxd("snapshots", "delete", "base")
+    assert deleted.exit_code == 0 and "deleted base@1" in deleted.stderr
+    assert "base@1" not in boxd("snapshots", "list").stdout
+    unknown = boxd("machine", "new", "other", "--from-snapshot", "base")
+    assert unknown.exit_code == 1 and unknown.stderr == "error: no snapshot base\n"

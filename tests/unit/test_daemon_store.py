@@ -9,7 +9,7 @@ import pytest
 
 from boxd.daemon.store import MIGRATIONS, Store
 from boxd.errors import Conflict, NotFound, QuotaExceeded
-from boxd.models import MachineCreate, MachineState
+from boxd.models import MachineCreate, MachineState, SnapshotState
 
 
 @pytest.fixture
@@ -107,3 +107,65 @@ def test_update_only_from_a_state(store):
 def test_revoking_an_unknown_key_is_not_found(store):
     with pytest.raises(NotFound):
         store.revoke_key("nope")
+
+
+def test_checkpoint_names_are_unique_per_machine_and_go_with_it(store):
+    machine = store.add_machine("alice", "m-000000000001", MachineCreate(name="a"))
+    other = store.add_machine("alice", "m-000000000002", MachineCreate(name="b"))
+    store.add_checkpoint(machine.id, "warm", "capture-1", 2.5)
+    with pytest.raises(Conflict) as raised:
+        store.add_checkpoint(machine.id, "warm", "capture-2", 1.0)
+    assert raised.value.field == "name"
+    store.add_checkpoint(other.id, "warm", "capture-3", 1.0)  # another machine's namespace
+    assert store.checkpoint_capture(machine.id, "warm") == "capture-1"
+    store.mark_deleted(machine.id)
+    assert store.list_checkpoints(machine.id) == []
+    with pytest.raises(NotFound):
+        store.checkpoint_capture(machine.id, "warm")
+    assert [c.name for c in store.list_checkpoints(other.id)] == ["warm"]
+
+
+def test_snapshot_versions_resolve_and_survive_reopen(tmp_path):
+    path = tmp_path / "boxd.db"
+    first = Store(path)
+    first.set_account("alice", 2)
+    machine = first.add_machine("alice", "m-000000000001", MachineCreate(name="a", memory_mib=256))
+    one = first.add_snapshot("alice", "base", machine, "capture-1", 3.0)
+    two = first.add_snapshot("alice", "base", machine, "capture-2", 4.0)
+    cut = first.add_snapshot("alice", "cut", machine, "capture-3", 5.0)
+    assert (one.ref, two.ref, cut.ref) == ("base@1", "base@2", "cut@1")
+    assert one.state is SnapshotState.SAVING and one.memory_mib == 256
+    first.finish_snapshot("alice", "base", 1, digest="a" * 64, size_bytes=10)
+    first.finish_snapshot("alice", "base", 2, digest="b" * 64, size_bytes=20)
+    first.close()
+
+    again = Store(path)
+    try:
+        assert again.find_snapshot("alice", "base").ref == "base@2"
+        assert again.find_snapshot("alice", "base@1").digest == "a" * 64
+        assert again.find_snapshot("alice", "a" * 12).ref == "base@1"
+        assert [(a, s.ref, c) for a, s, c in again.saving_snapshots()] == [("alice", "cut@1", "capture-3")]
+        with pytest.raises(NotFound):
+            again.find_snapshot("alice", "cut")  # no version of it is ready
+        again.set_account("bob", 1)
+        with pytest.raises(NotFound):
+            again.find_snapshot("bob", "a" * 64)
+        # A deleted version's number is not given again.
+        assert again.delete_snapshot("alice", "base", 2) is True
+        assert again.add_snapshot("alice", "base", machine, "capture-4", 1.0).version == 3
+        assert again.find_snapshot("alice", "base").ref == "base@1"
+    finally:
+        again.close()
+
+
+def test_a_digest_is_free_only_when_no_live_version_holds_it(store):
+    machine = store.add_machine("alice", "m-000000000001", MachineCreate(name="a"))
+    for name in ("one", "two"):
+        store.add_snapshot("alice", name, machine, f"capture-{name}", 1.0)
+        store.finish_snapshot("alice", name, 1, digest="c" * 64, size_bytes=1)
+    store.add_snapshot("alice", "failed", machine, "capture-f", 1.0)
+    store.finish_snapshot("alice", "failed", 1, reason="boom")
+    assert store.delete_snapshot("alice", "one", 1) is False
+    assert store.delete_snapshot("alice", "two", 1) is True
+    assert store.delete_snapshot("alice", "failed", 1) is False  # it has no files to free
+    assert store.list_snapshots("alice") == []

@@ -1,4 +1,4 @@
-"""``boxd machine ...``: create, fork, inspect, delete, exec, files."""
+"""``boxd machine ...``: create, fork, inspect, delete, exec, files, checkpoints."""
 
 from __future__ import annotations
 
@@ -23,11 +23,20 @@ def machine() -> None:
 @click.option("--memory", "memory_mib", type=int, default=512, show_default=True, help="RAM in MiB")
 @click.option("--disk", "disk_gib", type=int, default=4, show_default=True, help="disk in GiB")
 @click.option("--isolated", is_flag=True, help="no network beyond the machine itself")
+@click.option(
+    "--from-snapshot", "from_snapshot", metavar="REF",
+    help="start at a snapshot's instant (NAME, NAME@VERSION or digest); its size comes from the snapshot",
+)
 @click.option("--timeout", type=float, default=300, show_default=True, help="seconds to wait until ready")
-def new(name: str, vcpus: int, memory_mib: int, disk_gib: int, isolated: bool, timeout: float) -> None:
+def new(
+    name: str, vcpus: int, memory_mib: int, disk_gib: int, isolated: bool, from_snapshot: str | None, timeout: float
+) -> None:
     """Create a machine and wait until it is ready."""
-    with daemon() as boxd, output.err.status(f"starting {name}"):
-        created = boxd.machines.new(name, vcpus=vcpus, memory_mib=memory_mib, disk_gib=disk_gib, isolated=isolated)
+    doing = f"starting {name}" if from_snapshot is None else f"starting {name} from snapshot {from_snapshot}"
+    with daemon() as boxd, output.err.status(doing):
+        created = boxd.machines.new(
+            name, vcpus=vcpus, memory_mib=memory_mib, disk_gib=disk_gib, isolated=isolated, from_snapshot=from_snapshot
+        )
         ready = boxd.machines.wait_until_ready(created, timeout=timeout)
     output.machine(ready)
 
@@ -157,3 +166,51 @@ def download(name: str, remote: str, local: Path) -> None:
     with daemon() as boxd:
         size = boxd.machines.files.download_to(name, remote, local)
     output.err.print(f"downloaded {size} bytes to {local}")
+
+
+@machine.group()
+def checkpoint() -> None:
+    """Instants of a machine to rewind it to; they go when the machine does."""
+
+
+@checkpoint.command("save")
+@click.argument("name")
+@click.argument("checkpoint_name", metavar="CHECKPOINT")
+def save_checkpoint(name: str, checkpoint_name: str) -> None:
+    """Keep this instant of the running machine NAME as CHECKPOINT."""
+    with daemon() as boxd:
+        saved = boxd.machines.checkpoints.save(name, checkpoint_name)
+    output.err.print(f"saved checkpoint {saved.name} of {name} (it paused {output.pause(saved.pause_ms)})")
+
+
+@checkpoint.command("restore")
+@click.argument("name")
+@click.argument("checkpoint_name", metavar="CHECKPOINT")
+@click.option("-y", "--yes", is_flag=True, help="do not ask for confirmation")
+def restore_checkpoint(name: str, checkpoint_name: str, yes: bool) -> None:
+    """Rewind NAME in place to CHECKPOINT; what happened in it since is lost."""
+    question = f"Rewind {name} to checkpoint {checkpoint_name}? What happened in it since is lost"
+    if not yes and not click.confirm(question, default=False, err=True):
+        raise click.ClickException(f"{name} not restored (give -y to restore without asking)")
+    with daemon() as boxd, output.err.status(f"restoring {name} to {checkpoint_name}"):
+        restored = boxd.machines.checkpoints.restore(name, checkpoint_name)
+    output.err.print(f"restored {name} to checkpoint {checkpoint_name}")
+    output.machine(restored)
+
+
+@checkpoint.command("list")
+@click.argument("name")
+def list_checkpoints(name: str) -> None:
+    """The checkpoints of machine NAME, oldest first."""
+    with daemon() as boxd:
+        output.checkpoints(boxd.machines.checkpoints.list(name))
+
+
+@checkpoint.command("delete")
+@click.argument("name")
+@click.argument("checkpoint_name", metavar="CHECKPOINT")
+def delete_checkpoint(name: str, checkpoint_name: str) -> None:
+    """Forget a checkpoint of NAME and free what it held."""
+    with daemon() as boxd:
+        boxd.machines.checkpoints.delete(name, checkpoint_name)
+    output.err.print(f"deleted checkpoint {checkpoint_name} of {name}")

@@ -15,6 +15,7 @@ import click
 
 from boxd.cli.admin import accounts, keys
 from boxd.cli.machine import machine
+from boxd.cli.snapshots import snapshots
 from boxd.daemon import DEFAULT_PORT
 from boxd.errors import BoxdError
 
@@ -80,6 +81,7 @@ def serve(port: int, host: str, max_upload: int) -> None:
 
 
 cli.add_command(machine)
+cli.add_command(snapshots)
 cli.add_command(keys)
 cli.add_command(accounts)
 

@@ -8,7 +8,7 @@ from datetime import datetime
 from rich.console import Console
 from rich.table import Table
 
-from boxd.models import Account, ApiKey, Machine
+from boxd.models import Account, ApiKey, Checkpoint, Machine, Snapshot, SnapshotState
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
@@ -16,6 +16,24 @@ err = Console(stderr=True, highlight=False)
 
 def _when(moment: datetime | None) -> str:
     return "" if moment is None else moment.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+
+
+def size(count: int | None) -> str:
+    """Bytes in binary units, as memory and disk are shown."""
+    if count is None:
+        return ""
+    if count < 1024:
+        return f"{count} B"
+    amount = float(count)
+    for unit in ("KiB", "MiB", "GiB"):
+        amount /= 1024
+        if amount < 1024:
+            break
+    return f"{amount:.1f} {unit}"
+
+
+def pause(milliseconds: float | None) -> str:
+    return "" if milliseconds is None else f"{milliseconds:g} ms"
 
 
 def table(columns: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
@@ -32,20 +50,20 @@ def fields(pairs: dict[str, object]) -> None:
     out.print(grid)
 
 
+def _shared_fields(item: Machine | Snapshot) -> dict[str, object]:
+    """What a machine and a snapshot of it show alike: size, isolation, when made, why failed."""
+    return {
+        "vcpus": item.vcpus,
+        "memory": f"{item.memory_mib} MiB",
+        "disk": f"{item.disk_gib} GiB",
+        "isolated": "yes" if item.isolated else "no",
+        "created": _when(item.created_at),
+        **({"reason": item.reason} if item.reason else {}),
+    }
+
+
 def machine(item: Machine) -> None:
-    fields(
-        {
-            "id": item.id,
-            "name": item.name,
-            "state": item.state.value,
-            "vcpus": item.vcpus,
-            "memory": f"{item.memory_mib} MiB",
-            "disk": f"{item.disk_gib} GiB",
-            "isolated": "yes" if item.isolated else "no",
-            "created": _when(item.created_at),
-            **({"reason": item.reason} if item.reason else {}),
-        }
-    )
+    fields({"id": item.id, "name": item.name, "state": item.state.value, **_shared_fields(item)})
 
 
 def machines(items: Iterable[Machine]) -> None:
@@ -54,6 +72,40 @@ def machines(items: Iterable[Machine]) -> None:
         [
             (m.name, m.id, m.state.value, m.vcpus, f"{m.memory_mib} MiB", f"{m.disk_gib} GiB", _when(m.created_at))
             for m in items
+        ],
+    )
+
+
+def checkpoints(items: Iterable[Checkpoint]) -> None:
+    table(["NAME", "PAUSE", "CREATED"], [(c.name, pause(c.pause_ms), _when(c.created_at)) for c in items])
+
+
+def _snapshot_state(item: Snapshot) -> str:
+    if item.state is SnapshotState.SAVING and item.progress is not None:
+        return f"saving {item.progress:.0%}"
+    return item.state.value
+
+
+def snapshot(item: Snapshot) -> None:
+    fields(
+        {
+            "ref": item.ref,
+            "state": _snapshot_state(item),
+            "digest": item.digest,
+            "size": size(item.size_bytes),
+            "pause": pause(item.pause_ms),
+            "machine": item.machine,
+            **_shared_fields(item),
+        }
+    )
+
+
+def snapshots(items: Iterable[Snapshot]) -> None:
+    table(
+        ["REF", "STATE", "SIZE", "DIGEST", "CREATED", "MACHINE"],
+        [
+            (s.ref, _snapshot_state(s), size(s.size_bytes), (s.digest or "")[:12], _when(s.created_at), s.machine)
+            for s in items
         ],
     )
 

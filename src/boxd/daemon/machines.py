@@ -110,7 +110,6 @@ def _b64(data: bytes) -> str:
 class MachineService:
     def __init__(self, store: Store, runtime: ClosableRuntime, *, images: ImageCache, limits: Limits) -> None:
         self._store = store
-        self._runtime = runtime
         self.runtime = runtime
         self._images = images
         self.limits = limits
@@ -124,7 +123,7 @@ class MachineService:
         """Re-adopt every machine the store says is alive; a dead one becomes ``failed``."""
         for machine in self._store.alive_machines():
             try:
-                info = await self._runtime.adopt(machine.id)
+                info = await self.runtime.adopt(machine.id)
             except BoxdError as error:
                 self._fail(machine.id, f"lost while the daemon was down: {error.message}")
                 continue
@@ -137,7 +136,7 @@ class MachineService:
             event(log, "machine.adopted", machine=machine.id, state=info.state.value, pid=info.pid)
         # What the previous daemon was doing when it died (a capture, a delete) may have
         # left files or a template process behind.
-        await self._runtime.collect_garbage()
+        await self.runtime.collect_garbage()
 
     async def close(self) -> None:
         """Stop watching and let go of the runtime; the machines keep running for the next daemon."""
@@ -145,7 +144,7 @@ class MachineService:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self._runtime.close()
+        await self.runtime.close()
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -166,7 +165,10 @@ class MachineService:
     async def create(self, account: str, request: MachineCreate) -> Machine:
         snapshot = None
         if request.from_snapshot is not None:
-            snapshot = self._store.find_snapshot(account, request.from_snapshot)
+            try:
+                snapshot = self._store.find_snapshot(account, request.from_snapshot)
+            except NotFound as error:
+                raise NotFound(error.message, field="from_snapshot") from None
             if snapshot.state is not SnapshotState.READY:
                 raise Conflict(f"snapshot {snapshot.ref} is {snapshot.state.value}", field="from_snapshot")
             # The machine is what the snapshot holds: its RAM size and devices come with it.
@@ -193,7 +195,7 @@ class MachineService:
                 disk_gib=request.disk_gib,
                 isolated=request.isolated,
             )
-            return await self._runtime.create(machine.id, spec, snapshot=snapshot.digest if snapshot else None)
+            return await self.runtime.create(machine.id, spec, snapshot=snapshot.digest if snapshot else None)
 
         return await self._bring_up(account, machine, boot, "machine.started")
 
@@ -211,7 +213,7 @@ class MachineService:
         event(log, "machine.forking", machine=machine.id, source=source.id, account=account, name=machine.name)
 
         async def fork() -> VMInfo:
-            (info,) = await self._runtime.fork(source.id, [machine.id])
+            (info,) = await self.runtime.fork(source.id, [machine.id])
             return info
 
         return await self._bring_up(account, machine, fork, "machine.forked")
@@ -243,7 +245,7 @@ class MachineService:
     async def _become_ready(self, machine_id: str) -> None:
         started = time.monotonic()
         try:
-            await self._runtime.wait_ready(machine_id, self.limits.ready_timeout_s)
+            await self.runtime.wait_ready(machine_id, self.limits.ready_timeout_s)
         except asyncio.CancelledError:
             raise
         except Exception as error:
@@ -257,7 +259,7 @@ class MachineService:
         if machine.state not in (MachineState.RUNNING, MachineState.PAUSED):
             return machine
         try:
-            info = await self._runtime.info(machine.id)
+            info = await self.runtime.info(machine.id)
         except NotFound:
             info = None
         if info is None or info.state is VMState.FAILED:
@@ -280,7 +282,7 @@ class MachineService:
             if task is not None:
                 task.cancel()
             with contextlib.suppress(NotFound):  # the runtime has nothing left of it
-                await self._runtime.delete(machine_id)
+                await self.runtime.delete(machine_id)
             deleted = self._store.mark_deleted(machine.id)
         self._lifecycle_locks.pop(machine_id, None)
         event(log, "machine.deleted", machine=machine_id, account=account)
@@ -317,11 +319,11 @@ class MachineService:
         machine = await self.usable(account, ref)
         if any(existing.name == name for existing in self._store.list_checkpoints(machine.id)):
             raise Conflict(f"machine {machine.name} has a checkpoint named {name} already", field="name")
-        taken = await self._runtime.checkpoint(machine.id)
+        taken = await self.runtime.checkpoint(machine.id)
         try:
             saved = self._store.add_checkpoint(machine.id, name, taken.id, round(taken.pause_s * 1000, 1))
         except BoxdError:  # a concurrent save took the name first
-            await self._runtime.drop_checkpoint(machine.id, taken.id)
+            await self.runtime.drop_checkpoint(machine.id, taken.id)
             raise
         event(log, "checkpoint.saved", machine=machine.id, name=name, pause_ms=saved.pause_ms)
         return saved
@@ -331,13 +333,17 @@ class MachineService:
 
     async def restore_checkpoint(self, account: str, ref: str, name: str) -> Machine:
         """Rewind the machine in place; returns once it runs again, with its name and id."""
-        machine = self._store.find_machine(account, ref)
+        machine = await self._refreshed(self._store.find_machine(account, ref))
         capture = self._store.checkpoint_capture(machine.id, name)
+        if machine.state is not MachineState.RUNNING:
+            # A failed machine no longer counts against the quota: bringing it back here
+            # would get round it. Its snapshots can start a new machine.
+            raise Conflict(f"machine {machine.name} is {machine.state.value}, so it cannot be restored", field="machine")
         async with self.lifecycle_lock(machine.id):
             started = time.monotonic()
             try:
-                await self._runtime.restore(machine.id, capture)
-                await self._runtime.wait_ready(machine.id, self.limits.ready_timeout_s)
+                await self.runtime.restore(machine.id, capture)
+                await self.runtime.wait_ready(machine.id, self.limits.ready_timeout_s)
             except BoxdError as error:
                 self._fail(machine.id, f"restoring checkpoint {name} failed: {error.message}")
                 raise
@@ -350,7 +356,7 @@ class MachineService:
         capture = self._store.checkpoint_capture(machine.id, name)
         async with self.lifecycle_lock(machine.id):
             with contextlib.suppress(NotFound):  # gone from the runtime already
-                await self._runtime.drop_checkpoint(machine.id, capture)
+                await self.runtime.drop_checkpoint(machine.id, capture)
             self._store.delete_checkpoint(machine.id, name)
         event(log, "checkpoint.deleted", machine=machine.id, name=name)
 
@@ -368,7 +374,7 @@ class MachineService:
             timeout=body.timeout,
         )
         event(log, "machine.exec", machine=machine.id, argv=body.argv, shell=body.cmd, user=body.user)
-        async for item in self._runtime.exec(machine.id, request):
+        async for item in self.runtime.exec(machine.id, request):
             if item.kind == "exit":
                 yield ExecEvent(
                     type="exit", exit_code=_exit_code(item.exit_code, item.signal), timed_out=item.timed_out
@@ -398,12 +404,12 @@ class MachineService:
         self, account: str, ref: str, path: str, chunks: AsyncIterator[bytes], *, mode: int | None, user: str
     ) -> int:
         machine = await self.usable(account, ref)
-        size = await self._runtime.write_file(machine.id, path, chunks, mode=mode, user=user)
+        size = await self.runtime.write_file(machine.id, path, chunks, mode=mode, user=user)
         event(log, "machine.file_written", machine=machine.id, path=path, size=size)
         return size
 
     async def read_file(self, account: str, ref: str, path: str) -> AsyncIterator[bytes]:
         machine = await self.usable(account, ref)
         event(log, "machine.file_read", machine=machine.id, path=path)
-        async for chunk in self._runtime.read_file(machine.id, path):
+        async for chunk in self.runtime.read_file(machine.id, path):
             yield chunk

@@ -47,7 +47,11 @@ class SnapshotService:
     async def save(self, account: str, request: SnapshotCreate) -> Snapshot:
         machine = await self._machines.usable(account, request.machine)
         taken = await self._runtime.checkpoint(machine.id)
-        snapshot = self._store.add_snapshot(account, request.name, machine, taken.id, round(taken.pause_s * 1000, 1))
+        try:
+            snapshot = self._store.add_snapshot(account, request.name, machine, taken.id, round(taken.pause_s * 1000, 1))
+        except BaseException:
+            await self._runtime.drop_checkpoint(machine.id, taken.id)
+            raise
         event(log, "snapshot.saving", account=account, snapshot=snapshot.ref, machine=machine.id,
               pause_ms=snapshot.pause_ms)
         key = (account, snapshot.name, snapshot.version)

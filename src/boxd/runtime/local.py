@@ -264,7 +264,7 @@ class LocalRuntime:
 
     async def _start_processes(self, launch: Launch) -> int:
         """The network first (QEMU connects to it), then QEMU; returns QEMU's pid."""
-        if not launch.isolated:
+        if launch.needs_network_process:
             launch.run_dir.mkdir(parents=True, exist_ok=True)
             await start_passt(launch.run_dir)
         return await start_qemu(launch)
@@ -588,6 +588,7 @@ class LocalRuntime:
             incoming=True,
             disk=template_disk,
             console_log=folder / "template.console",
+            unplugged=True,
         )
         template_monitor = Monitor(template.qmp_socket, template.name)
         stream = template.run_dir / "migrate.sock"

@@ -64,6 +64,14 @@ class Launch:
     memory_mib: int
     isolated: bool
     incoming: bool = False  # wait for a migration stream instead of booting
+    # The network card's backend goes nowhere: for a capture's template, whose guest
+    # never runs. A backend is not part of the device state (slirp's is, so an isolated
+    # machine's template keeps slirp).
+    unplugged: bool = False
+
+    @property
+    def needs_network_process(self) -> bool:
+        return not (self.isolated or self.unplugged)
 
     @property
     def qmp_socket(self) -> Path:
@@ -89,6 +97,8 @@ class Launch:
         if self.isolated:
             # slirp with restrict=on: the guest reaches nothing outside itself, not even the host.
             netdev = "user,id=net0,restrict=on"
+        elif self.unplugged:
+            netdev = "hubport,id=net0,hubid=0"
         else:
             # The machine's own passt process (see boxd.runtime.network).
             netdev = f"stream,id=net0,server=off,addr.type=unix,addr.path={self.net_socket}"

@@ -5,7 +5,8 @@
         await boxd.machines.wait_until_ready(machine)
         result = await boxd.machines.exec(machine, "python3 -c 'print(42)'")
 
-Every call that takes a machine accepts a ``Machine`` or its name or id.
+Every call that takes a machine accepts a ``Machine`` or its name or id, and every call
+that takes a snapshot its NAME (newest ready version), NAME@VERSION or digest.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import asyncio
 import base64
 import contextlib
 import os
-from collections.abc import AsyncIterator, Mapping, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, TypeVar
 from urllib.parse import quote
@@ -23,16 +25,19 @@ import httpx
 from pydantic import BaseModel, TypeAdapter
 
 from boxd import __version__
-from boxd.errors import BoxdError, DaemonUnavailable, InvalidInput, error_from_dict
+from boxd.errors import BoxdError, Conflict, DaemonUnavailable, InvalidInput, Timeout, error_from_dict
 from boxd.models import (
     Account,
     ApiKey,
+    Checkpoint,
     CreatedKey,
     ExecEvent,
     ExecResult,
     FileWritten,
     Health,
     Machine,
+    Snapshot,
+    SnapshotState,
 )
 from boxd.sdk.connection import Endpoint, ensure_local_daemon, local_key, resolve_endpoint
 
@@ -42,17 +47,36 @@ CREATE_TIMEOUT = 900.0
 # On top of a command's own timeout: the daemon may first wait for a starting machine.
 SERVER_MARGIN = 150.0
 UPLOAD_CHUNK = 1024 * 1024
+# How often a snapshot being saved is asked about; its progress moves about this fast.
+SNAPSHOT_POLL_S = 0.25
 
 M = TypeVar("M", bound=BaseModel)
 MachineRef = Machine | str
 Content = str | bytes | bytearray | memoryview | IO[bytes]
 
 
-def _machine_path(machine: MachineRef, *rest: str) -> str:
+def _machine_ref(machine: MachineRef) -> str:
     ref = machine.id if isinstance(machine, Machine) else machine
     if not isinstance(ref, str) or not ref:
         raise InvalidInput(f"machine: expected a Machine or a name or id, got {machine!r}", field="machine")
-    return "/".join(["/v1/machines", quote(ref, safe=""), *rest])
+    return ref
+
+
+def _machine_path(machine: MachineRef, *rest: str) -> str:
+    return "/".join(["/v1/machines", quote(_machine_ref(machine), safe=""), *rest])
+
+
+def _checkpoint_path(machine: MachineRef, name: str, *rest: str) -> str:
+    return _machine_path(machine, "checkpoints", quote(name, safe=""), *rest)
+
+
+def _snapshot_path(ref: str) -> str:
+    return f"/v1/snapshots/{quote(ref, safe='')}"
+
+
+def _waiting_for_ready(timeout: float) -> httpx.Timeout:
+    # The daemon may first wait for a starting machine, or for a rewound one to answer.
+    return httpx.Timeout(timeout, read=SERVER_MARGIN)
 
 
 def _error_of(response: httpx.Response) -> BoxdError:
@@ -134,6 +158,7 @@ class AsyncBoxd:
         self._http: httpx.AsyncClient | None = None
         self._connecting = asyncio.Lock()
         self.machines = AsyncMachines(self)
+        self.snapshots = AsyncSnapshots(self)
         self.admin = AsyncAdmin(self)
 
     async def __aenter__(self) -> AsyncBoxd:
@@ -235,17 +260,59 @@ class AsyncFiles:
         return size
 
 
+class AsyncCheckpoints:
+    """Instants of a machine kept to rewind it to, in place; they go when the machine does."""
+
+    def __init__(self, client: AsyncBoxd) -> None:
+        self._client = client
+
+    async def save(self, machine: MachineRef, name: str) -> Checkpoint:
+        """Keep this instant of a running machine as ``name``; it pauses only briefly."""
+        return await self._client._call(
+            Checkpoint, "POST", _machine_path(machine, "checkpoints"), json={"name": name},
+            timeout=_waiting_for_ready(self._client.timeout),
+        )
+
+    async def restore(self, machine: MachineRef, name: str) -> Machine:
+        """Rewind the machine to the checkpoint (same name and id); returns once it runs again."""
+        return await self._client._call(
+            Machine, "POST", _checkpoint_path(machine, name, "restore"), timeout=_waiting_for_ready(self._client.timeout)
+        )
+
+    async def list(self, machine: MachineRef) -> list[Checkpoint]:
+        return await self._client._call_list(Checkpoint, "GET", _machine_path(machine, "checkpoints"))
+
+    async def delete(self, machine: MachineRef, name: str) -> None:
+        await self._client._request("DELETE", _checkpoint_path(machine, name))
+
+
 class AsyncMachines:
     def __init__(self, client: AsyncBoxd) -> None:
         self._client = client
         self.files = AsyncFiles(client)
+        self.checkpoints = AsyncCheckpoints(client)
 
     async def new(
-        self, name: str, *, vcpus: int = 1, memory_mib: int = 512, disk_gib: int = 4, isolated: bool = False
+        self,
+        name: str,
+        *,
+        vcpus: int = 1,
+        memory_mib: int = 512,
+        disk_gib: int = 4,
+        isolated: bool = False,
+        from_snapshot: str | None = None,
     ) -> Machine:
-        """Start a machine; it is ``starting`` until ``wait_until_ready`` returns."""
+        """Start a machine; it is ``starting`` until ``wait_until_ready`` returns.
+
+        With ``from_snapshot`` it starts at that snapshot's instant, and takes its size
+        and isolation from the snapshot.
+        """
         # Validated by the daemon, which owns the rules (some depend on its host).
-        body = {"name": name, "vcpus": vcpus, "memory_mib": memory_mib, "disk_gib": disk_gib, "isolated": isolated}
+        body: dict[str, Any] = {
+            "name": name, "vcpus": vcpus, "memory_mib": memory_mib, "disk_gib": disk_gib, "isolated": isolated
+        }
+        if from_snapshot is not None:  # only when used: a daemon without snapshots refuses unknown fields
+            body["from_snapshot"] = from_snapshot
         timeout = httpx.Timeout(self._client.timeout, read=CREATE_TIMEOUT)
         return await self._client._call(Machine, "POST", "/v1/machines", json=body, timeout=timeout)
 
@@ -308,6 +375,59 @@ class AsyncMachines:
                 if item.type == "error":
                     raise error_from_dict(item.error or {})
                 yield item
+
+
+class AsyncSnapshots:
+    """Named, versioned baselines saved from a machine; they outlive it."""
+
+    def __init__(self, client: AsyncBoxd) -> None:
+        self._client = client
+
+    async def save(
+        self,
+        machine: MachineRef,
+        name: str,
+        *,
+        wait: bool = True,
+        timeout: float = 600,
+        progress: Callable[[Snapshot], None] | None = None,
+    ) -> Snapshot:
+        """Save a new version of ``name`` from a running machine, which pauses only briefly.
+
+        With ``wait`` (the default) returns once the version is ``ready``, calling
+        ``progress`` with each state seen on the way; ``Conflict`` if saving failed,
+        ``Timeout`` if it is not done within ``timeout`` seconds. Without, returns the
+        version while it is still ``saving``.
+        """
+        snapshot = await self._client._call(
+            Snapshot, "POST", "/v1/snapshots", json={"machine": _machine_ref(machine), "name": name},
+            timeout=_waiting_for_ready(self._client.timeout),
+        )
+        if not wait:
+            return snapshot
+        deadline = time.monotonic() + timeout
+        while True:
+            if progress is not None:
+                progress(snapshot)
+            if snapshot.state is SnapshotState.READY:
+                return snapshot
+            if snapshot.state is SnapshotState.FAILED:
+                raise Conflict(f"snapshot {snapshot.ref} failed: {snapshot.reason}")
+            if time.monotonic() >= deadline:
+                raise Timeout(f"snapshot {snapshot.ref}: still saving after {timeout:g} s")
+            await asyncio.sleep(SNAPSHOT_POLL_S)
+            snapshot = await self.get(snapshot.ref)
+
+    async def get(self, ref: str) -> Snapshot:
+        return await self._client._call(Snapshot, "GET", _snapshot_path(ref))
+
+    async def list(self) -> list[Snapshot]:
+        """Every version of every snapshot of your account."""
+        return await self._client._call_list(Snapshot, "GET", "/v1/snapshots")
+
+    async def delete(self, ref: str) -> list[Snapshot]:
+        """NAME@VERSION (or a digest) deletes that version, NAME all of them; returns what went."""
+        return await self._client._call_list(Snapshot, "DELETE", _snapshot_path(ref))
 
 
 class AsyncAdmin:

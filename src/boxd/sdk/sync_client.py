@@ -20,13 +20,26 @@ from typing import TypeVar
 
 import httpx
 
-from boxd.models import Account, ApiKey, CreatedKey, ExecEvent, ExecResult, FileWritten, Health, Machine
+from boxd.models import (
+    Account,
+    ApiKey,
+    Checkpoint,
+    CreatedKey,
+    ExecEvent,
+    ExecResult,
+    FileWritten,
+    Health,
+    Machine,
+    Snapshot,
+)
 from boxd.sdk.async_client import (
     DEFAULT_TIMEOUT,
     AsyncAdmin,
     AsyncBoxd,
+    AsyncCheckpoints,
     AsyncFiles,
     AsyncMachines,
+    AsyncSnapshots,
     Content,
     MachineRef,
 )
@@ -133,17 +146,49 @@ class Files:
         return self._portal.call(lambda c: c.machines.files.download_to(machine, path, destination))
 
 
+class Checkpoints:
+    def __init__(self, portal: Portal) -> None:
+        self._portal = portal
+
+    @_mirrors(AsyncCheckpoints.save)
+    def save(self, machine: MachineRef, name: str) -> Checkpoint:
+        return self._portal.call(lambda c: c.machines.checkpoints.save(machine, name))
+
+    @_mirrors(AsyncCheckpoints.restore)
+    def restore(self, machine: MachineRef, name: str) -> Machine:
+        return self._portal.call(lambda c: c.machines.checkpoints.restore(machine, name))
+
+    @_mirrors(AsyncCheckpoints.list)
+    def list(self, machine: MachineRef) -> list[Checkpoint]:
+        return self._portal.call(lambda c: c.machines.checkpoints.list(machine))
+
+    @_mirrors(AsyncCheckpoints.delete)
+    def delete(self, machine: MachineRef, name: str) -> None:
+        self._portal.call(lambda c: c.machines.checkpoints.delete(machine, name))
+
+
 class Machines:
     def __init__(self, portal: Portal) -> None:
         self._portal = portal
         self.files = Files(portal)
+        self.checkpoints = Checkpoints(portal)
 
     @_mirrors(AsyncMachines.new)
     def new(
-        self, name: str, *, vcpus: int = 1, memory_mib: int = 512, disk_gib: int = 4, isolated: bool = False
+        self,
+        name: str,
+        *,
+        vcpus: int = 1,
+        memory_mib: int = 512,
+        disk_gib: int = 4,
+        isolated: bool = False,
+        from_snapshot: str | None = None,
     ) -> Machine:
         return self._portal.call(
-            lambda c: c.machines.new(name, vcpus=vcpus, memory_mib=memory_mib, disk_gib=disk_gib, isolated=isolated)
+            lambda c: c.machines.new(
+                name, vcpus=vcpus, memory_mib=memory_mib, disk_gib=disk_gib, isolated=isolated,
+                from_snapshot=from_snapshot,
+            )
         )
 
     @_mirrors(AsyncMachines.get)
@@ -199,6 +244,38 @@ class Machines:
         )
 
 
+class Snapshots:
+    def __init__(self, portal: Portal) -> None:
+        self._portal = portal
+
+    @_mirrors(AsyncSnapshots.save)
+    def save(
+        self,
+        machine: MachineRef,
+        name: str,
+        *,
+        wait: bool = True,
+        timeout: float = 600,
+        progress: Callable[[Snapshot], None] | None = None,
+    ) -> Snapshot:
+        # progress is called on the portal's thread, between polls.
+        return self._portal.call(
+            lambda c: c.snapshots.save(machine, name, wait=wait, timeout=timeout, progress=progress)
+        )
+
+    @_mirrors(AsyncSnapshots.get)
+    def get(self, ref: str) -> Snapshot:
+        return self._portal.call(lambda c: c.snapshots.get(ref))
+
+    @_mirrors(AsyncSnapshots.list)
+    def list(self) -> list[Snapshot]:
+        return self._portal.call(lambda c: c.snapshots.list())
+
+    @_mirrors(AsyncSnapshots.delete)
+    def delete(self, ref: str) -> list[Snapshot]:
+        return self._portal.call(lambda c: c.snapshots.delete(ref))
+
+
 class Admin:
     def __init__(self, portal: Portal) -> None:
         self._portal = portal
@@ -241,6 +318,7 @@ class Boxd:
         self.endpoint = resolve_endpoint(base_url)  # a bad base_url fails here, in the caller's thread
         self._portal = Portal(lambda: AsyncBoxd(api_key, base_url, timeout, transport=transport))
         self.machines = Machines(self._portal)
+        self.snapshots = Snapshots(self._portal)
         self.admin = Admin(self._portal)
 
     def __enter__(self) -> Boxd:
