@@ -95,6 +95,13 @@ class CommandFailed(BoxdError):
     status = 422
 
 
+class Unreachable(BoxdError):
+    """Nothing answered where a request was to be passed on (a machine's URL port)."""
+
+    code = "bad_gateway"
+    status = 502
+
+
 class Unsupported(BoxdError):
     code = "unsupported"
     status = 501

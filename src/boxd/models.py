@@ -69,6 +69,14 @@ class MachineCreate(_Wire):
     memory_mib: int = Field(default=512, ge=MIN_MEMORY_MIB)
     disk_gib: int = Field(default=4, ge=1, le=MAX_DISK_GIB)
     isolated: bool = False
+    suspend_after_s: float | None = Field(
+        default=None, ge=0, description="idle seconds before it suspends; unset: the daemon's default, 0: never"
+    )
+    hibernate_after_s: float | None = Field(
+        default=None, ge=0, description="further idle seconds before it hibernates; unset: the daemon's default, 0: never"
+    )
+    http_port: int = Field(default=8080, ge=1, le=65535, description="the guest port its URL leads to")
+    public: bool = Field(default=False, description="its URL answers without the account's key")
     from_snapshot: str | None = Field(
         default=None,
         description="start at a snapshot's instant: NAME (its newest version), NAME@VERSION or its digest; "
@@ -101,6 +109,11 @@ class Machine(BaseModel):
     disk_gib: int
     isolated: bool
     image: str | None = None
+    suspend_after_s: float | None = None
+    hibernate_after_s: float | None = None
+    http_port: int = 8080
+    public: bool = False
+    url: str | None = Field(default=None, description="served by the daemon, proxied to http_port in the guest")
     parent: str | None = Field(default=None, description="the machine this one was forked from")
     reason: str | None = Field(default=None, description="why the machine failed, when it did")
     created_at: datetime

@@ -8,39 +8,9 @@ from boxd.errors import NotFound, SnapshotUnusable
 from boxd.runtime.interface import VMSpec
 from boxd.runtime.qemu import process_alive
 
-from guest import fork_ready, gather, sh
+from guest import fork_ready, gather, sh, start_keeper, token_of
 
 pytestmark = pytest.mark.vm
-
-# A process that holds a random token in its memory only, and writes it out when asked:
-# the token can only come back if the process's memory does.
-KEEPER = r"""
-import os, secrets, time
-token = secrets.token_hex(16)
-while True:
-    if os.path.exists("/tmp/ask"):
-        os.unlink("/tmp/ask")
-        with open("/tmp/token.part", "w") as out:
-            out.write(token)
-        os.replace("/tmp/token.part", "/tmp/token")
-    time.sleep(0.02)
-"""
-
-
-async def start_keeper(runtime, vm_id: str) -> str:
-    async def one_chunk():
-        yield KEEPER.encode()
-
-    await runtime.write_file(vm_id, "/home/boxd/keeper.py", one_chunk())
-    return await sh(runtime, vm_id, "nohup python3 /home/boxd/keeper.py >/dev/null 2>&1 & echo $!")
-
-
-async def token_of(runtime, vm_id: str) -> str:
-    """What the keeper holds in memory now (it writes it out only when asked)."""
-    return await sh(
-        runtime, vm_id, "rm -f /tmp/token; touch /tmp/ask; while [ ! -s /tmp/token ]; do sleep 0.05; done; cat /tmp/token"
-    )
-
 
 async def restored(runtime, vm_id: str, checkpoint_id: str) -> None:
     await runtime.restore(vm_id, checkpoint_id)

@@ -255,7 +255,7 @@ async def test_a_machine_that_cannot_launch_is_failed_with_its_reason(tmp_path):
             (machine,) = (await client.get("/v1/machines")).json()
             assert machine["state"] == "failed" and "qemu exited" in machine["reason"]
             # A failed machine holds no quota.
-            assert plane.store.alive_machines() == []
+            assert plane.store.machines_on_host() == []
     finally:
         await plane.close()
 

@@ -83,7 +83,7 @@ def test_quota_holds_across_connections_racing(tmp_path):
     for thread in threads:
         thread.join()
     assert sorted(outcomes) == ["created"] * 3 + ["refused"] * 3
-    assert len(stores[0].alive_machines()) == 3
+    assert len(stores[0].machines_on_host()) == 3
 
 
 def test_names_are_unique_among_live_machines_only(store):

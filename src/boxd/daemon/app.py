@@ -27,6 +27,7 @@ from boxd.daemon.routes import admin, health
 from boxd.daemon.routes import machines as machine_routes
 from boxd.daemon.routes import snapshots as snapshot_routes
 from boxd.daemon.snapshots import SnapshotService
+from boxd.daemon.urls import MachineURLs, proxy_client
 from boxd.daemon.store import Store
 from boxd.errors import BoxdError
 from boxd.models import ErrorBody
@@ -101,14 +102,17 @@ class RequestLog:
 
 def create_app(*, store: Store, keys: Keys, machines: MachineService, local_socket: str) -> FastAPI:
     snapshots = SnapshotService(store, machines.runtime, machines)
+    url_client = proxy_client()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await machines.recover()
         await snapshots.recover()
+        machines.start_idle_watch()
         yield
         await snapshots.close()
         await machines.close()
+        await url_client.aclose()
 
     app = FastAPI(
         title="boxd",
@@ -130,5 +134,6 @@ def create_app(*, store: Store, keys: Keys, machines: MachineService, local_sock
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)
+    app.add_middleware(MachineURLs, store=store, keys=keys, machines=machines, client=url_client)
     app.add_middleware(RequestLog)
     return app

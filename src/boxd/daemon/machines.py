@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from boxd.daemon.idle import Activity, IdlePolicy
 from boxd.daemon.logs import event
 from boxd.daemon.store import Store
 from boxd.errors import BoxdError, Conflict, InvalidInput, NotFound, Timeout, VMError
@@ -108,20 +109,31 @@ def _b64(data: bytes) -> str:
 
 
 class MachineService:
-    def __init__(self, store: Store, runtime: ClosableRuntime, *, images: ImageCache, limits: Limits) -> None:
+    def __init__(
+        self,
+        store: Store,
+        runtime: ClosableRuntime,
+        *,
+        images: ImageCache,
+        limits: Limits,
+        idle: IdlePolicy | None = None,
+    ) -> None:
         self._store = store
         self.runtime = runtime
         self._images = images
         self.limits = limits
+        self.idle = idle or IdlePolicy()
+        self.activity = Activity()
         self._becoming_ready: dict[str, asyncio.Task] = {}
         # Create and delete of one machine never overlap.
         self._lifecycle_locks: dict[str, asyncio.Lock] = {}
+        self._idle_watch: asyncio.Task | None = None
 
     # -- startup and shutdown ---------------------------------------------------------
 
     async def recover(self) -> None:
         """Re-adopt every machine the store says is alive; a dead one becomes ``failed``."""
-        for machine in self._store.alive_machines():
+        for machine in self._store.machines_on_host():
             try:
                 info = await self.runtime.adopt(machine.id)
             except BoxdError as error:
@@ -141,6 +153,8 @@ class MachineService:
     async def close(self) -> None:
         """Stop watching and let go of the runtime; the machines keep running for the next daemon."""
         tasks = list(self._becoming_ready.values())
+        if self._idle_watch is not None:
+            tasks.append(self._idle_watch)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -194,6 +208,7 @@ class MachineService:
                 memory_mib=request.memory_mib,
                 disk_gib=request.disk_gib,
                 isolated=request.isolated,
+                http_port=request.http_port,
             )
             return await self.runtime.create(machine.id, spec, snapshot=snapshot.digest if snapshot else None)
 
@@ -202,12 +217,16 @@ class MachineService:
     async def fork(self, account: str, ref: str, request: MachineFork) -> Machine:
         """A new machine continuing from this instant of a running one; counts against the quota."""
         source = await self.usable(account, ref)
+        # Its URL is its own and private until asked otherwise; the rest is its source's.
         copy = MachineCreate(
             name=request.name,
             vcpus=source.vcpus,
             memory_mib=source.memory_mib,
             disk_gib=source.disk_gib,
             isolated=source.isolated,
+            suspend_after_s=source.suspend_after_s,
+            hibernate_after_s=source.hibernate_after_s,
+            http_port=source.http_port,
         )
         machine = self._store.add_machine(account, new_machine_id(), copy, parent=source.id, image=source.image)
         event(log, "machine.forking", machine=machine.id, source=source.id, account=account, name=machine.name)
@@ -268,7 +287,9 @@ class MachineService:
         return machine
 
     async def get(self, account: str, ref: str) -> Machine:
-        return await self._refreshed(self._store.find_machine(account, ref))
+        machine = await self._refreshed(self._store.find_machine(account, ref))
+        self.activity.touch(machine.id)
+        return machine
 
     async def list(self, account: str) -> list[Machine]:
         return [await self._refreshed(machine) for machine in self._store.list_machines(account)]
@@ -285,6 +306,7 @@ class MachineService:
                 await self.runtime.delete(machine_id)
             deleted = self._store.mark_deleted(machine.id)
         self._lifecycle_locks.pop(machine_id, None)
+        self.activity.forget(machine_id)
         event(log, "machine.deleted", machine=machine_id, account=account)
         return deleted
 
@@ -310,8 +332,86 @@ class MachineService:
         return machine
 
     async def usable(self, account: str, ref: str) -> Machine:
-        """A running machine to work in, waiting for it if it is still starting."""
-        return await self.wait_ready(account, ref, self.limits.ready_timeout_s)
+        """A running machine to work in: woken if it is suspended or hibernated, waited
+        for if it is still starting."""
+        machine = self._store.find_machine(account, ref)
+        self.activity.touch(machine.id)
+        if machine.state in (MachineState.PAUSED, MachineState.STOPPED):
+            await self.resume(account, machine.id)
+        machine = await self.wait_ready(account, machine.id, self.limits.ready_timeout_s)
+        self.activity.touch(machine.id)
+        return machine
+
+    # -- idle machines ----------------------------------------------------------------
+
+    async def suspend(self, account: str, ref: str) -> Machine:
+        """Stop a running machine's vCPUs; its memory stays, and any use wakes it."""
+        machine = await self.wait_ready(account, ref, self.limits.ready_timeout_s)
+        async with self.lifecycle_lock(machine.id):
+            await self.runtime.suspend(machine.id)
+            self._store.update_machine(machine.id, state=MachineState.PAUSED, only_from=MachineState.RUNNING)
+        event(log, "machine.suspended", machine=machine.id)
+        return self._store.find_machine(account, machine.id)
+
+    async def hibernate(self, account: str, ref: str) -> Machine:
+        """Save a machine's whole state to disk and end its process; it stops counting
+        against the quota, and any use wakes it (if the quota allows)."""
+        machine = self._store.find_machine(account, ref)
+        if machine.state not in (MachineState.RUNNING, MachineState.PAUSED):
+            machine = await self.wait_ready(account, ref, self.limits.ready_timeout_s)
+        async with self.lifecycle_lock(machine.id):
+            started = time.monotonic()
+            await self.runtime.hibernate(machine.id)
+            self._store.update_machine(machine.id, state=MachineState.STOPPED)
+        event(log, "machine.hibernated", machine=machine.id, seconds=round(time.monotonic() - started, 2))
+        return self._store.find_machine(account, machine.id)
+
+    async def resume(self, account: str, ref: str) -> Machine:
+        """Run a suspended machine again, or bring back a hibernated one (quota permitting)."""
+        machine = self._store.find_machine(account, ref)
+        async with self.lifecycle_lock(machine.id):
+            machine = self._store.find_machine(account, machine.id)  # again, under the lock
+            if machine.state is MachineState.PAUSED:
+                started = time.perf_counter()
+                await self.runtime.resume(machine.id)
+                woke_ms = (time.perf_counter() - started) * 1000
+                self._store.update_machine(machine.id, state=MachineState.RUNNING, only_from=MachineState.PAUSED)
+                event(log, "machine.resumed", machine=machine.id, ms=round(woke_ms, 3))
+            elif machine.state is MachineState.STOPPED:
+                self._store.wake_machine(machine.id)  # QuotaExceeded leaves it hibernated
+                try:
+                    await self.runtime.resume(machine.id)
+                except BaseException as error:
+                    self._fail(machine.id, f"waking from hibernation failed: {reason_of(error)}")
+                    raise
+                event(log, "machine.woke", machine=machine.id)
+                self._watch_readiness(machine.id)
+        self.activity.touch(machine.id)
+        return self._store.find_machine(account, machine.id)
+
+    def start_idle_watch(self) -> None:
+        self._idle_watch = asyncio.create_task(self._watch_idle(), name="idle-machines")
+
+    async def _watch_idle(self) -> None:
+        while True:
+            await asyncio.sleep(self.idle.check_every_s)
+            await self.enforce_idle_policy()
+
+    async def enforce_idle_policy(self) -> None:
+        """One pass: suspend or hibernate every machine idle for long enough."""
+        for machine in self._store.machines_on_host():
+            due = self.idle.step_due(machine, self.activity.idle_for(machine.id))
+            if due is None or self.lifecycle_lock(machine.id).locked():
+                continue
+            account = self._store.account_of(machine.id)
+            try:
+                if due is MachineState.PAUSED:
+                    await self.suspend(account, machine.id)
+                else:
+                    await self.hibernate(account, machine.id)
+            except BoxdError as error:  # it changed meanwhile (deleted, failed): next pass sees it
+                event(log, "machine.idle_step_failed", level=logging.WARNING, machine=machine.id,
+                      step=due.value, reason=error.message)
 
     # -- checkpoints ------------------------------------------------------------------
 
@@ -364,6 +464,11 @@ class MachineService:
 
     async def exec_stream(self, account: str, ref: str, body: ExecBody) -> AsyncIterator[ExecEvent]:
         machine = await self.usable(account, ref)
+        with self.activity.busy(machine.id):
+            async for item in self._exec_events(machine, body):
+                yield item
+
+    async def _exec_events(self, machine: Machine, body: ExecBody) -> AsyncIterator[ExecEvent]:
         request = ExecRequest(
             argv=body.argv,
             shell=body.cmd,
@@ -404,12 +509,14 @@ class MachineService:
         self, account: str, ref: str, path: str, chunks: AsyncIterator[bytes], *, mode: int | None, user: str
     ) -> int:
         machine = await self.usable(account, ref)
-        size = await self.runtime.write_file(machine.id, path, chunks, mode=mode, user=user)
+        with self.activity.busy(machine.id):
+            size = await self.runtime.write_file(machine.id, path, chunks, mode=mode, user=user)
         event(log, "machine.file_written", machine=machine.id, path=path, size=size)
         return size
 
     async def read_file(self, account: str, ref: str, path: str) -> AsyncIterator[bytes]:
         machine = await self.usable(account, ref)
         event(log, "machine.file_read", machine=machine.id, path=path)
-        async for chunk in self.runtime.read_file(machine.id, path):
-            yield chunk
+        with self.activity.busy(machine.id):
+            async for chunk in self.runtime.read_file(machine.id, path):
+                yield chunk

@@ -21,6 +21,7 @@ import uvicorn
 from boxd.daemon import DEFAULT_PORT, local_key_path, logs, socket_path
 from boxd.daemon.app import create_app
 from boxd.daemon.auth import Keys
+from boxd.daemon.idle import IdlePolicy
 from boxd.daemon.machines import ClosableRuntime, ImageCache, Limits, MachineService
 from boxd.daemon.store import Store
 from boxd.errors import HostError
@@ -68,12 +69,14 @@ class Daemon:
         runtime: ClosableRuntime | None = None,
         images: ImageCache | None = None,
         limits: Limits | None = None,
+        idle: IdlePolicy | None = None,
     ) -> None:
         self.home = home
         self.host, self.port = host, port
         self._runtime = runtime
         self._images = images or ImageCache.default(home)
         self._limits = limits or Limits()
+        self._idle = idle or IdlePolicy()
         self._server: uvicorn.Server | None = None
 
     async def serve(self) -> None:
@@ -89,15 +92,16 @@ class Daemon:
         keys = Keys(store)
         # Written before the socket listens: whoever sees the socket answer can read the key.
         keys.ensure_local_key(local_key_path(self.home))
+        unix_path = socket_path(self.home)
+        listeners = [_listen_tcp(self.host, self.port), _listen_unix(unix_path)]
+        self.port = listeners[0].getsockname()[1]
+        store.url_format = f"http://{{name}}.localhost:{self.port}/"
         if self._runtime is None:
             from boxd.runtime.local import LocalRuntime
 
             self._runtime = LocalRuntime(self.home)
-        machines = MachineService(store, self._runtime, images=self._images, limits=self._limits)
-        unix_path = socket_path(self.home)
+        machines = MachineService(store, self._runtime, images=self._images, limits=self._limits, idle=self._idle)
         app = create_app(store=store, keys=keys, machines=machines, local_socket=str(unix_path))
-        listeners = [_listen_tcp(self.host, self.port), _listen_unix(unix_path)]
-        self.port = listeners[0].getsockname()[1]
         config = uvicorn.Config(app, log_config=None, access_log=False, proxy_headers=False, lifespan="on")
         self._server = uvicorn.Server(config)
         logs.event(log, "daemon.listening", tcp=f"{self.host}:{self.port}", socket=unix_path, pid=os.getpid())
@@ -117,6 +121,6 @@ class Daemon:
             self._server.should_exit = True
 
 
-def run(home: Path, *, host: str, port: int, limits: Limits) -> None:
+def run(home: Path, *, host: str, port: int, limits: Limits, idle: IdlePolicy) -> None:
     logs.configure()
-    asyncio.run(Daemon(home, host=host, port=port, limits=limits).serve())
+    asyncio.run(Daemon(home, host=host, port=port, limits=limits, idle=idle).serve())

@@ -101,6 +101,13 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX snapshots_by_digest ON snapshots(digest);
     """,
+    # 4: idle policy, URL port and visibility per machine (NULL: the daemon's default).
+    """
+    ALTER TABLE machines ADD COLUMN suspend_after_s REAL;
+    ALTER TABLE machines ADD COLUMN hibernate_after_s REAL;
+    ALTER TABLE machines ADD COLUMN http_port INTEGER NOT NULL DEFAULT 8080;
+    ALTER TABLE machines ADD COLUMN public INTEGER NOT NULL DEFAULT 0;
+    """,
 ]
 
 _ALIVE = tuple(state.value for state in ALIVE_STATES)
@@ -111,8 +118,13 @@ def _when(epoch: float | None) -> datetime | None:
     return None if epoch is None else datetime.fromtimestamp(epoch, tz=UTC)
 
 
-def _machine(row: sqlite3.Row) -> Machine:
+def _machine(row: sqlite3.Row, url_format: str | None = None) -> Machine:
     return Machine(
+        suspend_after_s=row["suspend_after_s"],
+        hibernate_after_s=row["hibernate_after_s"],
+        http_port=row["http_port"],
+        public=bool(row["public"]),
+        url=url_format.format(name=row["name"]) if url_format and row["deleted_at"] is None else None,
         id=row["id"],
         name=row["name"],
         state=MachineState(row["state"]),
@@ -178,6 +190,11 @@ class Store:
         self._db.execute("PRAGMA foreign_keys=ON")
         self._db.execute("PRAGMA busy_timeout=5000")
         self._migrate()
+        # Set by the daemon once it listens: "http://{name}.localhost:PORT/".
+        self.url_format: str | None = None
+
+    def _machine(self, row: sqlite3.Row) -> Machine:
+        return _machine(row, self.url_format)
 
     def close(self) -> None:
         with self._lock:
@@ -279,27 +296,34 @@ class Store:
                     f"a machine named {request.name} exists already ({clash['id']}, {clash['state']})",
                     field="name",
                 )
-            limit = db.execute("SELECT max_machines FROM accounts WHERE name = ?", (account,)).fetchone()[0]
-            running = db.execute(
-                f"SELECT count(*) FROM machines WHERE account = ? AND state IN ({_ALIVE_SQL})", (account, *_ALIVE)
-            ).fetchone()[0]
-            if running >= limit:
-                raise QuotaExceeded(
-                    f"quota exceeded: account {account} may run at most {limit} machines "
-                    f"and {running} are running",
-                    limit=limit,
-                    running=running,
-                )
+            self._check_quota(db, account)
             now = time.time()
             db.execute(
                 "INSERT INTO machines (id, account, name, state, vcpus, memory_mib, disk_gib, isolated,"
-                " parent, image, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " parent, image, suspend_after_s, hibernate_after_s, http_port, public, created_at, updated_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     machine_id, account, request.name, MachineState.STARTING.value, request.vcpus,
-                    request.memory_mib, request.disk_gib, int(request.isolated), parent, image, now, now,
+                    request.memory_mib, request.disk_gib, int(request.isolated), parent, image,
+                    request.suspend_after_s, request.hibernate_after_s, request.http_port, int(request.public),
+                    now, now,
                 ),
             )
-            return _machine(db.execute("SELECT * FROM machines WHERE id = ?", (machine_id,)).fetchone())
+            return self._machine(db.execute("SELECT * FROM machines WHERE id = ?", (machine_id,)).fetchone())
+
+    @staticmethod
+    def _check_quota(db: sqlite3.Connection, account: str) -> None:
+        """Inside a write transaction, so that the check and what it allows are one step."""
+        limit = db.execute("SELECT max_machines FROM accounts WHERE name = ?", (account,)).fetchone()[0]
+        running = db.execute(
+            f"SELECT count(*) FROM machines WHERE account = ? AND state IN ({_ALIVE_SQL})", (account, *_ALIVE)
+        ).fetchone()[0]
+        if running >= limit:
+            raise QuotaExceeded(
+                f"quota exceeded: account {account} may run at most {limit} machines and {running} are running",
+                limit=limit,
+                running=running,
+            )
 
     def find_machine(self, account: str, ref: str) -> Machine:
         """A live machine of this account by id or by name; another account's is not found."""
@@ -309,18 +333,44 @@ class Store:
         )
         if not rows:
             raise NotFound(f"no machine named or with id {ref}", field="machine")
-        return _machine(rows[0])
+        return self._machine(rows[0])
 
     def list_machines(self, account: str) -> list[Machine]:
         rows = self._read(
             "SELECT * FROM machines WHERE account = ? AND deleted_at IS NULL ORDER BY created_at, id", account
         )
-        return [_machine(row) for row in rows]
+        return [self._machine(row) for row in rows]
 
-    def alive_machines(self) -> list[Machine]:
-        """Every account's machines that should have a process: what a restart re-adopts."""
-        rows = self._read(f"SELECT * FROM machines WHERE state IN ({_ALIVE_SQL}) ORDER BY created_at", *_ALIVE)
-        return [_machine(row) for row in rows]
+    def machines_on_host(self) -> list[Machine]:
+        """Every account's machines that have a process or a hibernated state: what a restart re-adopts."""
+        states = (*_ALIVE, MachineState.STOPPED.value)
+        rows = self._read(
+            f"SELECT * FROM machines WHERE state IN ({','.join('?' * len(states))}) ORDER BY created_at", *states
+        )
+        return [self._machine(row) for row in rows]
+
+    def account_of(self, machine_id: str) -> str:
+        return self._read("SELECT account FROM machines WHERE id = ?", machine_id)[0]["account"]
+
+    def find_public_machine(self, ref: str) -> Machine:
+        """A live public machine of any account, by id, or by name where only one has it."""
+        rows = self._read(
+            "SELECT * FROM machines WHERE public = 1 AND deleted_at IS NULL AND (id = ? OR name = ?)", ref, ref
+        )
+        if len(rows) != 1:
+            raise NotFound(f"no public machine named or with id {ref}", field="machine")
+        return self._machine(rows[0])
+
+    def wake_machine(self, machine_id: str) -> Machine:
+        """A hibernated machine becomes ``starting`` if its account's quota allows one more."""
+        with self._transaction() as db:
+            account = db.execute("SELECT account FROM machines WHERE id = ?", (machine_id,)).fetchone()[0]
+            self._check_quota(db, account)
+            db.execute(
+                "UPDATE machines SET state = ?, reason = NULL, updated_at = ? WHERE id = ?",
+                (MachineState.STARTING.value, time.time(), machine_id),
+            )
+            return self._machine(db.execute("SELECT * FROM machines WHERE id = ?", (machine_id,)).fetchone())
 
     def update_machine(
         self,
@@ -353,7 +403,7 @@ class Store:
             changed = db.execute(f"UPDATE machines SET {', '.join(assignments)} WHERE {condition}", values).rowcount
             if not changed:
                 return None
-            return _machine(db.execute("SELECT * FROM machines WHERE id = ?", (machine_id,)).fetchone())
+            return self._machine(db.execute("SELECT * FROM machines WHERE id = ?", (machine_id,)).fetchone())
 
     def mark_deleted(self, machine_id: str) -> Machine:
         now = time.time()
@@ -364,7 +414,7 @@ class Store:
             )
             # A checkpoint belongs to its machine and goes with it.
             db.execute("DELETE FROM checkpoints WHERE machine = ?", (machine_id,))
-            return _machine(db.execute("SELECT * FROM machines WHERE id = ?", (machine_id,)).fetchone())
+            return self._machine(db.execute("SELECT * FROM machines WHERE id = ?", (machine_id,)).fetchone())
 
     # -- checkpoints ------------------------------------------------------------------
 

@@ -21,8 +21,8 @@ DEFAULT_USER = "boxd"
 
 class VMState(str, enum.Enum):
     RUNNING = "running"
-    PAUSED = "paused"  # vCPUs stopped, memory kept
-    STOPPED = "stopped"  # no process, nothing lost (hibernated or shut down cleanly)
+    PAUSED = "paused"  # suspended: vCPUs stopped, memory kept
+    STOPPED = "stopped"  # hibernated: no process, its state on disk, nothing lost
     FAILED = "failed"  # the process is gone without us stopping it
 
 
@@ -35,6 +35,7 @@ class VMSpec:
     memory_mib: int = 512
     disk_gib: int = 4
     isolated: bool = False
+    http_port: int = 8080  # the guest port the machine's URL leads to
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -62,6 +63,8 @@ class VMInfo:
     pid: int | None
     accelerator: str
     console_log: str
+    # The host port on 127.0.0.1 that leads to the guest's http_port (None while hibernated).
+    url_port: int | None = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,16 @@ class Runtime(Protocol):
         """Write a checkpoint out as a durable snapshot; ``progress(done, total)`` in bytes."""
 
     async def delete_snapshot(self, digest: str) -> None: ...
+
+    async def suspend(self, vm_id: str) -> None:
+        """Stop the vCPUs; memory and processes stay as they are."""
+
+    async def hibernate(self, vm_id: str) -> None:
+        """Write the machine's whole state to disk and end its process, freeing its memory."""
+
+    async def resume(self, vm_id: str) -> None:
+        """Run a suspended machine again, or bring a hibernated one back; returns once its
+        vCPUs run (a hibernated one is then not yet ready)."""
 
     async def collect_garbage(self) -> None:
         """Remove what no machine uses any more (disk layers, captures, stray templates)."""

@@ -38,18 +38,21 @@ from boxd.runtime.snapshots import (
     Progress,
     SnapshotManifest,
     check_usable,
+    fsync_path,
     read_manifest,
     remove_partials,
     remove_snapshot,
     unpack_ram_and_state,
     verify_files,
     write_snapshot,
+    zstd_binary,
 )
 from boxd.runtime.qemu import (
     Launch,
     Monitor,
     create_overlay,
     fault_in_mapping,
+    free_port,
     stop_process,
     process_alive,
     qemu_binary,
@@ -91,6 +94,9 @@ class Machine:
     ram_capture: str | None = None  # a fork maps this capture's RAM copy-on-write
     # Captures kept for this machine (its checkpoints), each with its disk chain then.
     checkpoints: dict[str, list[str]] = field(default_factory=dict)
+    url_port: int | None = None  # host port forwarded to the guest's http_port; kept across restarts
+    suspended: bool = False  # its vCPUs stopped on purpose
+    hibernated: bool = False  # no process; its state is in hibernation.zst
     pid: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -103,6 +109,9 @@ class Machine:
             "top_node": self.top_node,
             "ram_capture": self.ram_capture,
             "checkpoints": self.checkpoints,
+            "url_port": self.url_port,
+            "suspended": self.suspended,
+            "hibernated": self.hibernated,
         }
 
     @classmethod
@@ -116,6 +125,9 @@ class Machine:
             top_node=data.get("top_node", "root"),
             ram_capture=data.get("ram_capture"),
             checkpoints=dict(data.get("checkpoints", {})),
+            url_port=data.get("url_port"),
+            suspended=data.get("suspended", False),
+            hibernated=data.get("hibernated", False),
         )
 
 
@@ -199,6 +211,7 @@ class LocalRuntime:
             vcpus=machine.spec.vcpus,
             memory_mib=machine.spec.memory_mib,
             isolated=machine.spec.isolated,
+            forward=(machine.url_port, machine.spec.http_port) if machine.url_port else None,
         )
         values.update(overrides)
         return Launch(**values)
@@ -243,7 +256,13 @@ class LocalRuntime:
         qemu_binary()  # before anything else: no QEMU is the most basic thing to report
         image = await self._image(spec.image)
         self._check_room(spec)
-        machine = Machine(id=vm_id, spec=spec, image_path=str(image.path), disk_top=f"{vm_id}-{secrets.token_hex(4)}.qcow2")
+        machine = Machine(
+            id=vm_id,
+            spec=spec,
+            image_path=str(image.path),
+            disk_top=f"{vm_id}-{secrets.token_hex(4)}.qcow2",
+            url_port=free_port(),
+        )
         self._vm_dir(vm_id).mkdir(parents=True)
         self._machines[vm_id] = machine
         try:
@@ -266,7 +285,7 @@ class LocalRuntime:
         """The network first (QEMU connects to it), then QEMU; returns QEMU's pid."""
         if launch.needs_network_process:
             launch.run_dir.mkdir(parents=True, exist_ok=True)
-            await start_passt(launch.run_dir)
+            await start_passt(launch.run_dir, launch.forward)
         return await start_qemu(launch)
 
 
@@ -294,13 +313,19 @@ class LocalRuntime:
 
     async def info(self, vm_id: str) -> VMInfo:
         machine = self._machine(vm_id)
-        state = VMState.RUNNING if process_alive(machine.pid, self._marker(vm_id)) else VMState.FAILED
+        if machine.hibernated:
+            state = VMState.STOPPED
+        elif not process_alive(machine.pid, self._marker(vm_id)):
+            state = VMState.FAILED
+        else:
+            state = VMState.PAUSED if machine.suspended else VMState.RUNNING
         return VMInfo(
             id=vm_id,
             state=state,
-            pid=machine.pid,
+            pid=None if machine.hibernated else machine.pid,
             accelerator=self.accelerator.name,
             console_log=str(self.console_log(vm_id)),
+            url_port=None if machine.hibernated else machine.url_port,
         )
 
     def _marker(self, vm_id: str) -> str:
@@ -693,6 +718,7 @@ class LocalRuntime:
             disk_top=f"{new_id}-{secrets.token_hex(4)}.qcow2",
             disk_frozen=list(capture.disk_frozen),
             ram_capture=capture.id,
+            url_port=free_port(),  # its own: forks never share a port
         )
         self._vm_dir(new_id).mkdir(parents=True)
         self._machines[new_id] = clone
@@ -844,3 +870,75 @@ class LocalRuntime:
             await self._start_from_capture(machine, image, capture / "state")
         finally:
             self._release(capture_id)
+
+    # -- idle machines ----------------------------------------------------------------
+
+    async def suspend(self, vm_id: str) -> None:
+        machine = self._running(vm_id, "suspended")
+        if machine.suspended:
+            return
+        await (await self._monitor(vm_id)).execute("stop")
+        machine.suspended = True
+        self._save(machine)
+
+    def _hibernation_file(self, vm_id: str) -> Path:
+        return self._vm_dir(vm_id) / "hibernation.zst"
+
+    async def hibernate(self, vm_id: str) -> None:
+        """Save RAM and device state (compressed) to the machine's folder, then end its QEMU.
+
+        A fork or a restored machine lets go of its capture here: it wakes up owning
+        its RAM, like any machine.
+        """
+        machine = self._running(vm_id, "hibernated")
+        async with self._capture_lock(vm_id):
+            monitor = await self._monitor(vm_id)
+            await monitor.execute("stop")
+            try:
+                # All of the RAM goes to the file, whether it is the machine's or a capture's.
+                await set_capabilities(monitor, x_ignore_shared=False, background_snapshot=False)
+                await monitor.execute("migrate-set-parameters", {"max-bandwidth": UNLIMITED_BANDWIDTH})
+                saving = self._hibernation_file(vm_id)
+                await monitor.execute("migrate", {"uri": f"exec:{zstd_binary()} -q -1 -T0 -o {saving}.part"})
+                await wait_migration(monitor, {"completed"}, timeout=600)
+                await asyncio.to_thread(fsync_path, Path(f"{saving}.part"))
+                os.replace(f"{saving}.part", saving)
+            except BaseException:
+                Path(f"{self._hibernation_file(vm_id)}.part").unlink(missing_ok=True)
+                await resume(monitor)
+                raise
+            machine.hibernated, machine.suspended, machine.ram_capture = True, False, None
+            self._save(machine)  # from here on, a crash leaves a machine that wakes from the file
+            await self._disconnect(vm_id)
+            await stop_process(machine.pid, self._marker(vm_id))
+            await stop_processes(self._run_dir(vm_id))
+            shutil.rmtree(self._run_dir(vm_id), ignore_errors=True)  # the RAM file with it
+            machine.pid = None
+        await self.collect_garbage()
+        log.info("machine hibernated id=%s", vm_id)
+
+    async def resume(self, vm_id: str) -> None:
+        machine = self._machine(vm_id)
+        if machine.hibernated:
+            await self._wake(machine)
+        elif machine.suspended:
+            await (await self._monitor(vm_id)).execute("cont")
+            machine.suspended = False
+            self._save(machine)
+            # Its guest clock stood still meanwhile; the caller need not wait for that.
+            self._in_background(self._agent(vm_id).set_time())
+
+    async def _wake(self, machine: Machine) -> None:
+        image = await self._image(machine.image_path)
+        saved = self._hibernation_file(machine.id)
+        async with self._capture_lock(machine.id):
+            self._check_room(machine.spec)
+            machine.pid = await self._start_processes(self._launch(machine, image, incoming=True))
+            monitor = await self._monitor(machine.id)
+            await monitor.execute("migrate-incoming", {"uri": f"exec:{zstd_binary()} -q -d -c {saved}"})
+            await wait_incoming(monitor, timeout=600)
+            await monitor.execute("cont")
+            machine.hibernated = False
+            self._save(machine)
+            saved.unlink()
+        log.info("machine woke id=%s pid=%s", machine.id, machine.pid)

@@ -34,7 +34,9 @@ def passt_binary() -> str:
     return path
 
 
-def passt_argv(socket_path: Path, pidfile: Path) -> list[str]:
+def passt_argv(socket_path: Path, pidfile: Path, forward: tuple[int, int] | None = None) -> list[str]:
+    """``forward``: (port on the host's 127.0.0.1, port in the guest), the machine's URL."""
+    forwarding = ["--tcp-ports", f"127.0.0.1/{forward[0]}:{forward[1]}"] if forward else []
     return [
         passt_binary(),
         "--ipv4-only",
@@ -50,15 +52,16 @@ def passt_argv(socket_path: Path, pidfile: Path) -> list[str]:
         "--mac-addr", GATEWAY_MAC,
         "--socket", str(socket_path),
         "--pid", str(pidfile),
+        *forwarding,
     ]
 
 
-async def start_passt(run_dir: Path) -> int:
+async def start_passt(run_dir: Path, forward: tuple[int, int] | None = None) -> int:
     """Start the machine's network process (it daemonizes once its socket listens)."""
     socket_path, pidfile = run_dir / "net.sock", run_dir / "passt.pid"
     socket_path.unlink(missing_ok=True)
     process = await asyncio.create_subprocess_exec(
-        *passt_argv(socket_path, pidfile),
+        *passt_argv(socket_path, pidfile, forward),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 import uuid
@@ -68,6 +69,7 @@ class Launch:
     # never runs. A backend is not part of the device state (slirp's is, so an isolated
     # machine's template keeps slirp).
     unplugged: bool = False
+    forward: tuple[int, int] | None = None  # (port on the host's 127.0.0.1, port in the guest)
 
     @property
     def needs_network_process(self) -> bool:
@@ -97,6 +99,9 @@ class Launch:
         if self.isolated:
             # slirp with restrict=on: the guest reaches nothing outside itself, not even the host.
             netdev = "user,id=net0,restrict=on"
+            if self.forward:
+                # restrict=on still lets a forward from the host in.
+                netdev += f",hostfwd=tcp:127.0.0.1:{self.forward[0]}-:{self.forward[1]}"
         elif self.unplugged:
             netdev = "hubport,id=net0,hubid=0"
         else:
@@ -268,6 +273,13 @@ def fault_in_mapping(pid: int, path: Path, chunk: int = 1 << 20) -> None:
                 os.preadv(descriptor, [memoryview(buffer)[: min(chunk, end - offset)]], offset)
     finally:
         os.close(descriptor)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 async def run_tool(*argv: str) -> str:

@@ -75,7 +75,7 @@ def _sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)
@@ -159,13 +159,13 @@ async def write_snapshot(
         digest = _digest_of(manifest)
         (partial / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
         for path in partial.iterdir():
-            await asyncio.to_thread(_fsync, path)
+            await asyncio.to_thread(fsync_path, path)
         final = root / digest
         if final.exists():  # the same bytes were saved before
             shutil.rmtree(partial)
         else:
             os.rename(partial, final)
-        _fsync(root)
+        fsync_path(root)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise

@@ -95,6 +95,24 @@ async def delete_checkpoint(ref: str, name: str, account: AccountName, machines:
     await machines.delete_checkpoint(account, ref, name)
 
 
+@router.post("/{ref}/suspend")
+async def suspend_machine(ref: str, account: AccountName, machines: Machines) -> Machine:
+    """Stop the machine's vCPUs, keeping its memory; any use of it wakes it."""
+    return await machines.suspend(account, ref)
+
+
+@router.post("/{ref}/hibernate")
+async def hibernate_machine(ref: str, account: AccountName, machines: Machines) -> Machine:
+    """Save the machine's state to disk and end its process; any use of it wakes it."""
+    return await machines.hibernate(account, ref)
+
+
+@router.post("/{ref}/resume")
+async def resume_machine(ref: str, account: AccountName, machines: Machines) -> Machine:
+    """Wake a suspended or hibernated machine (a hibernated one counts against the quota again)."""
+    return await machines.resume(account, ref)
+
+
 @router.get("")
 async def list_machines(account: AccountName, machines: Machines) -> list[Machine]:
     return await machines.list(account)
