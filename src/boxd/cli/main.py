@@ -17,6 +17,7 @@ from boxd.cli.admin import accounts, keys
 from boxd.cli.machine import machine
 from boxd.cli.snapshots import snapshots
 from boxd.daemon import DEFAULT_PORT
+from boxd.daemon.idle import IdlePolicy
 from boxd.errors import BoxdError
 
 # Commands whose module is imported only when used (and may be absent from a build).
@@ -71,13 +72,27 @@ def cli() -> None:
     "--max-upload", type=int, default=2 * 1024**3, show_default=True, envvar="BOXD_MAX_UPLOAD",
     help="largest file upload accepted, in bytes",
 )
-def serve(port: int, host: str, max_upload: int) -> None:
-    """Run the daemon: HTTP on HOST:PORT and the unix socket BOXD_HOME/boxd.sock."""
+@click.option(
+    "--suspend-after", type=float, default=IdlePolicy.suspend_after_s, show_default=True,
+    envvar="BOXD_SUSPEND_AFTER", help="idle seconds before a machine suspends (0: never), unless it asks otherwise",
+)
+@click.option(
+    "--hibernate-after", type=float, default=IdlePolicy.hibernate_after_s, show_default=True,
+    envvar="BOXD_HIBERNATE_AFTER", help="further idle seconds before a suspended machine hibernates (0: never)",
+)
+def serve(port: int, host: str, max_upload: int, suspend_after: float, hibernate_after: float) -> None:
+    """Run the daemon: HTTP on HOST:PORT and the unix socket BOXD_HOME/boxd.sock.
+
+    Machine URLs (http://NAME.localhost:PORT/) are served on the same port.
+    """
     from boxd.config import boxd_home
     from boxd.daemon.machines import Limits
     from boxd.daemon.server import run
 
-    run(boxd_home(), host=host, port=port, limits=Limits(max_upload_bytes=max_upload))
+    if suspend_after < 0 or hibernate_after < 0:
+        raise click.BadParameter("idle times are seconds, 0 or more", param_hint="--suspend-after/--hibernate-after")
+    idle = IdlePolicy(suspend_after_s=suspend_after, hibernate_after_s=hibernate_after)
+    run(boxd_home(), host=host, port=port, limits=Limits(max_upload_bytes=max_upload), idle=idle)
 
 
 cli.add_command(machine)
