@@ -21,6 +21,12 @@ def boxd_home() -> Path:
     return (Path(xdg) / "boxd").resolve()
 
 
+# Inside a machine: the key the daemon hands it, which the SDK there uses by itself.
+MACHINE_KEY_PATH = Path("/etc/boxd/api-key")
+# Inside a machine: where the agent serves the boxd API, tunnelled to the daemon.
+MACHINE_API_PORT = 7345
+
+
 def images_dir(home: Path | None = None) -> Path:
     return (home or boxd_home()) / "images"
 

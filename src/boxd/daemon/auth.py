@@ -31,10 +31,12 @@ class Keys:
     def __init__(self, store: Store) -> None:
         self._store = store
 
-    def mint(self, account: str, name: str | None = None) -> CreatedKey:
+    def mint(self, account: str, name: str | None = None, *, machine: str | None = None) -> CreatedKey:
+        """A new key of ``account``; one for a ``machine`` replaces its previous one and
+        is revoked when the machine is deleted."""
         key = KEY_PREFIX + secrets.token_hex(24)
         key_id = key[len(KEY_PREFIX) : len(KEY_PREFIX) + 12]
-        record = self._store.add_key(key_id, account, name, _sha256(key))
+        record = self._store.add_key(key_id, account, name, _sha256(key), machine=machine)
         return CreatedKey(**record.model_dump(), key=key)
 
     def account_of(self, authorization: str | None) -> str:

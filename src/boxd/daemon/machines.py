@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from boxd.config import MACHINE_KEY_PATH
+from boxd.daemon.auth import Keys
 from boxd.daemon.idle import Activity, IdlePolicy
 from boxd.daemon.logs import event
 from boxd.daemon.store import Store
@@ -117,8 +119,11 @@ class MachineService:
         images: ImageCache,
         limits: Limits,
         idle: IdlePolicy | None = None,
+        keys: Keys | None = None,
     ) -> None:
         self._store = store
+        # With keys, every machine that becomes ready gets one of its own for the SDK inside it.
+        self._keys = keys
         self.runtime = runtime
         self._images = images
         self.limits = limits
@@ -272,6 +277,25 @@ class MachineService:
             return
         if self._store.update_machine(machine_id, state=MachineState.RUNNING, only_from=MachineState.STARTING):
             event(log, "machine.ready", machine=machine_id, boot_s=round(time.monotonic() - started, 2))
+            await self._hand_key(machine_id)
+
+    async def _hand_key(self, machine_id: str) -> None:
+        """Give the machine a key of its own account at MACHINE_KEY_PATH, for the SDK inside it.
+
+        Every start (boot, fork, restore, wake) gets a new key and revokes the one before:
+        a fork would otherwise carry its source's key, and a restore an older one.
+        """
+        if self._keys is None:
+            return
+        key = self._keys.mint(self._store.account_of(machine_id), "machine key", machine=machine_id).key
+
+        async def content() -> AsyncIterator[bytes]:
+            yield key.encode() + b"\n"
+
+        try:
+            await self.runtime.write_file(machine_id, str(MACHINE_KEY_PATH), content(), mode=0o644, user="root")
+        except BoxdError as error:  # the machine works without it; only the SDK inside lacks a key
+            event(log, "machine.key_not_written", level=logging.WARNING, machine=machine_id, reason=error.message)
 
     async def _refreshed(self, machine: Machine) -> Machine:
         """The machine, marked ``failed`` first if its process died behind our back."""
@@ -448,6 +472,7 @@ class MachineService:
                 self._fail(machine.id, f"restoring checkpoint {name} failed: {error.message}")
                 raise
             self._store.update_machine(machine.id, state=MachineState.RUNNING)
+            await self._hand_key(machine.id)
         event(log, "checkpoint.restored", machine=machine.id, name=name, seconds=round(time.monotonic() - started, 3))
         return self._store.find_machine(account, machine.id)
 

@@ -100,7 +100,9 @@ class Daemon:
             from boxd.runtime.local import LocalRuntime
 
             self._runtime = LocalRuntime(self.home)
-        machines = MachineService(store, self._runtime, images=self._images, limits=self._limits, idle=self._idle)
+        machines = MachineService(
+            store, self._runtime, images=self._images, limits=self._limits, idle=self._idle, keys=keys
+        )
         app = create_app(store=store, keys=keys, machines=machines, local_socket=str(unix_path))
         config = uvicorn.Config(app, log_config=None, access_log=False, proxy_headers=False, lifespan="on")
         self._server = uvicorn.Server(config)

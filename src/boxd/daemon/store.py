@@ -108,6 +108,10 @@ MIGRATIONS: list[str] = [
     ALTER TABLE machines ADD COLUMN http_port INTEGER NOT NULL DEFAULT 8080;
     ALTER TABLE machines ADD COLUMN public INTEGER NOT NULL DEFAULT 0;
     """,
+    # 5: keys handed to one machine (for the SDK inside it), revoked when it goes.
+    """
+    ALTER TABLE api_keys ADD COLUMN machine TEXT;
+    """,
 ]
 
 _ALIVE = tuple(state.value for state in ALIVE_STATES)
@@ -248,15 +252,20 @@ class Store:
 
     # -- keys -------------------------------------------------------------------------
 
-    def add_key(self, key_id: str, account: str, name: str | None, secret_sha256: str) -> ApiKey:
+    def add_key(
+        self, key_id: str, account: str, name: str | None, secret_sha256: str, *, machine: str | None = None
+    ) -> ApiKey:
+        """A new key; one for a ``machine`` replaces (revokes) the keys that machine had."""
         with self._transaction() as db:
             if db.execute("SELECT 1 FROM accounts WHERE name = ?", (account,)).fetchone() is None:
                 raise NotFound(
                     f"no account named {account}; create it with: boxd accounts set {account}", field="account"
                 )
+            if machine is not None:
+                self._revoke_machine_keys(db, machine)
             db.execute(
-                "INSERT INTO api_keys (id, account, name, secret_sha256, created_at) VALUES (?, ?, ?, ?, ?)",
-                (key_id, account, name, secret_sha256, time.time()),
+                "INSERT INTO api_keys (id, account, name, secret_sha256, created_at, machine) VALUES (?, ?, ?, ?, ?, ?)",
+                (key_id, account, name, secret_sha256, time.time(), machine),
             )
             return _key(db.execute("SELECT * FROM api_keys WHERE id = ?", (key_id,)).fetchone())
 
@@ -269,6 +278,12 @@ class Store:
 
     def list_keys(self) -> list[ApiKey]:
         return [_key(row) for row in self._read("SELECT * FROM api_keys ORDER BY created_at, id")]
+
+    @staticmethod
+    def _revoke_machine_keys(db: sqlite3.Connection, machine_id: str) -> None:
+        db.execute(
+            "UPDATE api_keys SET revoked_at = ? WHERE machine = ? AND revoked_at IS NULL", (time.time(), machine_id)
+        )
 
     def revoke_key(self, key_id: str) -> ApiKey:
         with self._transaction() as db:
@@ -412,8 +427,9 @@ class Store:
                 "UPDATE machines SET state = ?, deleted_at = ?, updated_at = ? WHERE id = ? AND deleted_at IS NULL",
                 (MachineState.DELETED.value, now, now, machine_id),
             )
-            # A checkpoint belongs to its machine and goes with it.
+            # A checkpoint belongs to its machine and goes with it, and so does its key.
             db.execute("DELETE FROM checkpoints WHERE machine = ?", (machine_id,))
+            self._revoke_machine_keys(db, machine_id)
             return self._machine(db.execute("SELECT * FROM machines WHERE id = ?", (machine_id,)).fetchone())
 
     # -- checkpoints ------------------------------------------------------------------

@@ -339,15 +339,14 @@ class LocalRuntime:
         connecting = asyncio.create_task(agent.connect(timeout))
         try:
             while not connecting.done():
-                if not process_alive(machine.pid, self._marker(vm_id)):
-                    raise VMError(
-                        f"machine {vm_id}: QEMU exited while booting; console: {self._console_tail(vm_id)}"
-                    )
+                self._check_alive(machine)
                 await asyncio.wait({connecting}, timeout=0.1)
             connecting.result()
             # A fork or a restored machine wakes with the clock of its capture.
             await agent.set_time()
         except AgentUnavailable:
+            # The agent's connection also breaks when QEMU dies just after it connected.
+            self._check_alive(machine)
             raise Timeout(
                 f"machine {vm_id}: not ready after {timeout:.0f} s; console: {self._console_tail(vm_id)}"
             ) from None
@@ -356,6 +355,12 @@ class LocalRuntime:
                 connecting.cancel()
                 with contextlib.suppress(BaseException):
                     await connecting
+
+    def _check_alive(self, machine: Machine) -> None:
+        if not process_alive(machine.pid, self._marker(machine.id)):
+            raise VMError(
+                f"machine {machine.id}: QEMU exited while booting; console: {self._console_tail(machine.id)}"
+            )
 
     def _console_tail(self, vm_id: str, lines: int = 5) -> str:
         try:
