@@ -5,6 +5,10 @@
 ``FakeHost`` that can outlive one runtime, the way QEMU processes outlive a daemon; so do
 its snapshots, the way snapshot folders outlive one. A checkpoint is a copy of a
 machine's files, and a snapshot a copy named by the SHA-256 of what it holds.
+
+A suspended or hibernated fake VM refuses commands, files, forks and checkpoints, as a
+real one whose vCPUs are stopped or whose process is gone cannot serve them: a test
+passes only if the daemon wakes the machine first. Its files survive hibernation.
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from boxd.daemon.idle import IdlePolicy
 from boxd.daemon.machines import ImageCache, Limits
 from boxd.daemon.server import Daemon
 from boxd.daemon.snapshots import SnapshotService
-from boxd.errors import Conflict, InvalidInput, NotFound, Timeout, VMError
+from boxd.errors import AgentUnavailable, BoxdError, Conflict, InvalidInput, NotFound, Timeout, VMError
 from boxd.runtime.agent_client import ExecEvent
 from boxd.runtime.interface import CheckpointTaken, ExecRequest, VMInfo, VMSpec, VMState
 from boxd.runtime.snapshots import Progress, SnapshotManifest
@@ -36,10 +41,21 @@ FAKE_IMAGE = "0" * 64
 @dataclass
 class FakeVM:
     spec: VMSpec
-    alive: bool = True
+    url_port: int  # where on the host's 127.0.0.1 its URL leads
+    alive: bool = True  # False: its process died behind the daemon's back
+    suspended: bool = False
+    hibernated: bool = False  # no process; files kept, as on a real machine's disk
     files: dict[str, bytes] = field(default_factory=dict)
     # Checkpoint id -> the files at its instant; they go when the machine does.
     checkpoints: dict[str, dict[str, bytes]] = field(default_factory=dict)
+
+    @property
+    def state(self) -> VMState:
+        if self.hibernated:
+            return VMState.STOPPED
+        if not self.alive:
+            return VMState.FAILED
+        return VMState.PAUSED if self.suspended else VMState.RUNNING
 
 
 @dataclass(frozen=True)
@@ -68,6 +84,7 @@ class FakeRuntime:
         fail_ready: Exception | None = None,
         fail_snapshot: Exception | None = None,
         snapshot_s: float = 0.0,
+        url_port: int | None = None,
     ) -> None:
         self.host = host or FakeHost()
         self.ready_after = ready_after
@@ -75,6 +92,9 @@ class FakeRuntime:
         self.fail_ready = fail_ready
         self.fail_snapshot = fail_snapshot
         self.snapshot_s = snapshot_s  # how long writing a snapshot takes, half done half way
+        # The host port every new VM's URL leads to (a test's HTTP server); by default its
+        # http_port itself, since the fake's "guest" is the host.
+        self.url_port = url_port
         self.adopted: set[str] = set()
         self.closed = False
         self.collected = 0  # garbage collections asked for
@@ -85,10 +105,28 @@ class FakeRuntime:
             raise NotFound(f"machine {vm_id}: not known to this runtime")
         return vm
 
+    def _running(self, vm_id: str, what: str, error: type[BoxdError] = Conflict) -> FakeVM:
+        """The VM if it runs: a suspended, hibernated or dead one cannot do ``what``."""
+        vm = self._vm(vm_id)
+        if vm.state is not VMState.RUNNING:
+            raise error(f"machine {vm_id}: {vm.state.value}, so it cannot be {what}")
+        return vm
+
+    def _agent_of(self, vm_id: str) -> FakeVM:
+        # A real agent does not answer while its vCPUs are stopped or its process is gone.
+        return self._running(vm_id, "reached by its agent", AgentUnavailable)
+
+    def _new_vm(self, spec: VMSpec, files: dict[str, bytes]) -> FakeVM:
+        url_port = spec.http_port if self.url_port is None else self.url_port
+        return FakeVM(spec, url_port=url_port, files=files)
+
     def _info(self, vm_id: str) -> VMInfo:
         vm = self._vm(vm_id)
-        state = VMState.RUNNING if vm.alive else VMState.FAILED
-        return VMInfo(vm_id, state, pid=os.getpid() if vm.alive else None, accelerator="fake", console_log="/dev/null")
+        has_process = vm.state in (VMState.RUNNING, VMState.PAUSED)
+        return VMInfo(
+            vm_id, vm.state, pid=os.getpid() if has_process else None, accelerator="fake", console_log="/dev/null",
+            url_port=None if vm.hibernated else vm.url_port,
+        )
 
     async def create(self, vm_id: str, spec: VMSpec, *, snapshot: str | None = None) -> VMInfo:
         if self.fail_create is not None:
@@ -108,15 +146,13 @@ class FakeRuntime:
                     field="memory_mib",
                 )
             files = dict(saved.files)
-        self.host.vms[vm_id] = FakeVM(spec, files=files)
+        self.host.vms[vm_id] = self._new_vm(spec, files)
         return self._info(vm_id)
 
     async def fork(self, source_id: str, new_ids: list[str]) -> list[VMInfo]:
-        source = self._vm(source_id)
-        if not source.alive:
-            raise Conflict(f"machine {source_id}: not running, so it cannot be forked")
+        source = self._running(source_id, "forked")
         for new_id in new_ids:
-            self.host.vms[new_id] = FakeVM(source.spec, files=dict(source.files))
+            self.host.vms[new_id] = self._new_vm(source.spec, dict(source.files))
         return [self._info(new_id) for new_id in new_ids]
 
     async def collect_garbage(self) -> None:
@@ -129,9 +165,7 @@ class FakeRuntime:
         return files
 
     async def checkpoint(self, vm_id: str) -> CheckpointTaken:
-        vm = self._vm(vm_id)
-        if not vm.alive:
-            raise Conflict(f"machine {vm_id}: not running, so it cannot be checkpointed")
+        vm = self._running(vm_id, "checkpointed")
         checkpoint_id = f"ckpt-{os.urandom(4).hex()}"
         vm.checkpoints[checkpoint_id] = dict(vm.files)
         return CheckpointTaken(checkpoint_id, pause_s=0.001)
@@ -140,7 +174,7 @@ class FakeRuntime:
         vm = self._vm(vm_id)
         # A copy again: the same checkpoint can be restored again and again.
         vm.files = dict(self._checkpoint_files(vm_id, checkpoint_id))
-        vm.alive = True  # a new process, whatever became of the old one
+        vm.alive, vm.suspended = True, False  # a new process, whatever became of the old one
         return self._info(vm_id)
 
     async def drop_checkpoint(self, vm_id: str, checkpoint_id: str) -> None:
@@ -180,7 +214,9 @@ class FakeRuntime:
         return self._info(vm_id)
 
     async def wait_ready(self, vm_id: str, timeout: float) -> None:
-        self._vm(vm_id)
+        vm = self._vm(vm_id)
+        if vm.state in (VMState.STOPPED, VMState.FAILED):  # no process to become ready
+            raise VMError(f"machine {vm_id}: {vm.state.value}, it has no process to become ready")
         if self.ready_after > timeout:
             await asyncio.sleep(timeout)
             raise Timeout(f"machine {vm_id}: not ready after {timeout:.0f} s")
@@ -189,8 +225,7 @@ class FakeRuntime:
             raise self.fail_ready
 
     async def exec(self, vm_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
-        if not self._vm(vm_id).alive:
-            raise VMError(f"machine {vm_id}: not running")
+        self._agent_of(vm_id)
         if request.argv is not None:
             process = await asyncio.create_subprocess_exec(
                 *request.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
@@ -239,13 +274,13 @@ class FakeRuntime:
     async def write_file(
         self, vm_id: str, path: str, chunks: AsyncIterator[bytes], *, mode: int | None, user: str | None
     ) -> int:
-        vm = self._vm(vm_id)
+        vm = self._agent_of(vm_id)
         data = b"".join([chunk async for chunk in chunks])
         vm.files[path] = data  # whole or not at all, like the agent
         return len(data)
 
     async def read_file(self, vm_id: str, path: str) -> AsyncIterator[bytes]:
-        vm = self._vm(vm_id)
+        vm = self._agent_of(vm_id)
         if path not in vm.files:
             raise NotFound(f"path: no such file {path}")
         data = vm.files[path]
@@ -258,6 +293,23 @@ class FakeRuntime:
     async def delete(self, vm_id: str) -> None:
         self._vm(vm_id)
         del self.host.vms[vm_id]
+
+    async def suspend(self, vm_id: str) -> None:
+        vm = self._vm(vm_id)
+        if not vm.suspended:  # suspending twice is fine, as with the real runtime
+            self._running(vm_id, "suspended").suspended = True
+
+    async def hibernate(self, vm_id: str) -> None:
+        vm = self._vm(vm_id)
+        if vm.state not in (VMState.RUNNING, VMState.PAUSED):
+            raise Conflict(f"machine {vm_id}: {vm.state.value}, so it cannot be hibernated")
+        vm.hibernated, vm.suspended = True, False
+
+    async def resume(self, vm_id: str) -> None:
+        vm = self._vm(vm_id)
+        if vm.hibernated:
+            vm.hibernated, vm.alive = False, True  # a new process, from the saved state
+        vm.suspended = False
 
     async def close(self) -> None:
         self.closed = True
@@ -302,7 +354,15 @@ class ControlPlane:
 
     TCP_URL = "http://127.0.0.1:7345"
 
-    def __init__(self, home: Path, runtime: FakeRuntime | None = None, *, limits: Limits | None = None) -> None:
+    def __init__(
+        self,
+        home: Path,
+        runtime: FakeRuntime | None = None,
+        *,
+        limits: Limits | None = None,
+        idle: IdlePolicy | None = None,
+        url_format: str | None = None,
+    ) -> None:
         from boxd.daemon import local_key_path, socket_path
         from boxd.daemon.app import create_app
         from boxd.daemon.auth import Keys
@@ -311,11 +371,15 @@ class ControlPlane:
 
         self.home = home
         self.limits = limits or Limits()
+        self.idle = idle
         self.store = Store(home / "boxd.db")
+        self.store.url_format = url_format  # what the daemon sets once it listens
         self.keys = Keys(self.store)
         self.keys.ensure_local_key(local_key_path(home))
         self.runtime = runtime or FakeRuntime()
-        self.machines = MachineService(self.store, self.runtime, images=fake_images(), limits=self.limits)
+        self.machines = MachineService(
+            self.store, self.runtime, images=fake_images(), limits=self.limits, idle=self.idle
+        )
         self.socket = str(socket_path(home))
         self.app = create_app(store=self.store, keys=self.keys, machines=self.machines, local_socket=self.socket)
 
@@ -345,7 +409,13 @@ class ControlPlane:
     async def restarted(self, runtime: FakeRuntime | None = None) -> ControlPlane:
         """A new daemon over the same files, after this one stopped; it re-adopts machines."""
         await self.close()
-        plane = ControlPlane(self.home, runtime or FakeRuntime(self.runtime.host), limits=self.limits)
+        plane = ControlPlane(
+            self.home,
+            runtime or FakeRuntime(self.runtime.host, url_port=self.runtime.url_port),
+            limits=self.limits,
+            idle=self.idle,
+            url_format=self.store.url_format,
+        )
         # What the app's lifespan does; ASGITransport does not run it.
         await plane.machines.recover()
         await plane.snapshots.recover()

@@ -6,7 +6,7 @@ import re
 
 import pytest
 from click.testing import CliRunner
-from fakes import daemon_thread, short_home
+from fakes import FakeRuntime, daemon_thread, short_home
 
 from boxd.cli.main import cli
 
@@ -20,12 +20,13 @@ def boxd(home_dir, monkeypatch):
     monkeypatch.delenv("BOXD_URL", raising=False)
     monkeypatch.delenv("BOXD_API_KEY", raising=False)
     runner = CliRunner()
-    with daemon_thread(home_dir) as daemon:
+    runtime = FakeRuntime()
+    with daemon_thread(home_dir, runtime) as daemon:
 
         def run(*args: str, env: dict[str, str] | None = None, input: bytes | None = None):
             return runner.invoke(cli, list(args), env=env, input=input, catch_exceptions=False)
 
-        run.daemon = daemon
+        run.daemon, run.runtime = daemon, runtime
         yield run
 
 
@@ -181,7 +182,11 @@ def test_snapshots_save_list_get_and_new_from_one(boxd, tmp_path):
     saved = boxd("snapshots", "save", "source", "base")
     assert saved.exit_code == 0, saved.output
     (digest,) = re.findall(r"\b[0-9a-f]{64}\b", boxd("snapshots", "get", "base").stdout)
-    assert "base@1" in saved.stdout and digest[:12] in saved.stdout and "4 B" in saved.stdout
+    # The machine's files: /state, and the key the daemon handed it.
+    files = boxd.runtime.host.snapshots[digest].files
+    assert files["/state"] == b"warm"
+    size = sum(len(data) for data in files.values())
+    assert "base@1" in saved.stdout and digest[:12] in saved.stdout and f"{size} B" in saved.stdout
     assert digest not in saved.stdout  # shown short
 
     listed = boxd("snapshots", "list")
@@ -199,3 +204,43 @@ def test_snapshots_save_list_get_and_new_from_one(boxd, tmp_path):
     assert "base@1" not in boxd("snapshots", "list").stdout
     unknown = boxd("machine", "new", "other", "--from-snapshot", "base")
     assert unknown.exit_code == 1 and unknown.stderr == "error: no snapshot base\n"
+
+
+def test_idle_settings_url_and_explicit_suspend_hibernate_resume(boxd):
+    created = boxd("machine", "new", "web", "--no-idle", "--http-port", "3000", "--public")
+    assert created.exit_code == 0, created.output
+    url = f"http://web.localhost:{boxd.daemon.port}/"
+    assert url in created.stdout and "3000" in created.stdout
+    assert re.search(r"public\s+yes", created.stdout)
+    assert re.search(r"suspend after idle\s+never", created.stdout)
+    assert re.search(r"hibernate after suspend\s+never", created.stdout)
+
+    assert boxd("machine", "new", "quiet", "--suspend-after", "30", "--hibernate-after", "600").exit_code == 0
+    quiet = boxd("machine", "get", "quiet").stdout
+    assert re.search(r"suspend after idle\s+30 s", quiet) and re.search(r"hibernate after suspend\s+600 s", quiet)
+    assert re.search(r"public\s+no", quiet)
+
+    suspended = boxd("machine", "suspend", "web")
+    assert suspended.exit_code == 0 and "paused (suspended)" in suspended.stdout
+    listed = boxd("machine", "list").stdout  # piped: whole lines, one a machine
+    assert re.search(r"web\s+m-[0-9a-f]{12}\s+paused \(suspended\).*" + re.escape(url), listed)
+    hibernated = boxd("machine", "hibernate", "web")
+    assert hibernated.exit_code == 0 and "stopped (hibernated)" in hibernated.stdout
+    assert "stopped (hibernated)" in boxd("machine", "list").stdout
+    assert "stopped (hibernated)" in boxd("machine", "get", "web").stdout  # looking does not wake it
+
+    resumed = boxd("machine", "resume", "web")
+    assert resumed.exit_code == 0 and re.search(r"state\s+running", resumed.stdout)
+    boxd("machine", "suspend", "web")
+    woken = boxd("machine", "exec", "web", "--", "echo woken")
+    assert woken.exit_code == 0 and woken.stdout == "woken\n"
+    assert re.search(r"state\s+running", boxd("machine", "get", "web").stdout)
+
+
+def test_idle_options_are_checked(boxd):
+    both = boxd("machine", "new", "web", "--no-idle", "--suspend-after", "5")
+    assert both.exit_code == 2 and "--no-idle" in both.stderr
+    negative = boxd("machine", "new", "web", "--hibernate-after", "-1")
+    assert negative.exit_code == 1 and "hibernate_after_s" in negative.stderr
+    assert boxd("machine", "suspend", "nope").stderr == "error: no machine named or with id nope\n"
+    assert "web" not in boxd("machine", "list").stdout

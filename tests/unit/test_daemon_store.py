@@ -169,3 +169,58 @@ def test_a_digest_is_free_only_when_no_live_version_holds_it(store):
     assert store.delete_snapshot("alice", "two", 1) is True
     assert store.delete_snapshot("alice", "failed", 1) is False  # it has no files to free
     assert store.list_snapshots("alice") == []
+
+
+def test_migrating_a_version_3_database_keeps_its_machines(tmp_path):
+    path = tmp_path / "boxd.db"
+    old = sqlite3.connect(path, isolation_level=None)
+    for version, script in enumerate(MIGRATIONS[:3], start=1):
+        old.executescript(f"BEGIN;\n{script}\nPRAGMA user_version = {version};\nCOMMIT;")
+    old.execute("INSERT INTO accounts VALUES ('alice', 5, 0)")
+    old.execute(
+        "INSERT INTO machines (id, account, name, state, vcpus, memory_mib, disk_gib, isolated, created_at,"
+        " updated_at) VALUES ('m-000000000001', 'alice', 'old', 'running', 2, 1024, 8, 1, 0, 0)"
+    )
+    old.close()
+
+    store = Store(path)
+    try:
+        assert store.schema_version == len(MIGRATIONS)
+        machine = store.find_machine("alice", "old")
+        assert (machine.id, machine.state, machine.vcpus, machine.memory_mib, machine.isolated) == (
+            "m-000000000001", MachineState.RUNNING, 2, 1024, True
+        )
+        # What it never asked for: the daemon's idle limits, port 8080, private.
+        assert (machine.suspend_after_s, machine.hibernate_after_s) == (None, None)
+        assert (machine.http_port, machine.public) == (8080, False)
+    finally:
+        store.close()
+
+
+def test_idle_settings_and_url_are_stored(store):
+    asked = MachineCreate(name="web", suspend_after_s=0, hibernate_after_s=30.5, http_port=3000, public=True)
+    store.add_machine("alice", "m-000000000001", asked)
+    store.add_machine("alice", "m-000000000002", MachineCreate(name="private"))
+    store.url_format = "http://{name}.localhost:7345/"
+    machine = store.find_machine("alice", "web")
+    assert (machine.suspend_after_s, machine.hibernate_after_s, machine.http_port) == (0, 30.5, 3000)
+    assert machine.public and machine.url == "http://web.localhost:7345/"
+    assert store.find_public_machine("web").id == machine.id
+    assert store.find_public_machine(machine.id).id == machine.id
+    with pytest.raises(NotFound):
+        store.find_public_machine("private")
+    assert store.account_of(machine.id) == "alice"
+
+
+def test_waking_a_hibernated_machine_checks_the_quota(store):
+    sleeper = store.add_machine("alice", "m-000000000001", MachineCreate(name="sleeper"))
+    store.update_machine(sleeper.id, state=MachineState.STOPPED)
+    store.add_machine("alice", "m-000000000002", MachineCreate(name="b"))
+    store.add_machine("alice", "m-000000000003", MachineCreate(name="c"))  # a stopped one holds no quota
+    with pytest.raises(QuotaExceeded):
+        store.wake_machine(sleeper.id)
+    assert store.find_machine("alice", "sleeper").state is MachineState.STOPPED
+    # Still on the host: a restarted daemon re-adopts it.
+    assert {m.id for m in store.machines_on_host()} == {sleeper.id, "m-000000000002", "m-000000000003"}
+    store.update_machine("m-000000000003", state=MachineState.FAILED, reason="test")
+    assert store.wake_machine(sleeper.id).state is MachineState.STARTING

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import io
+import json
 import multiprocessing
 from concurrent.futures import ThreadPoolExecutor
 
@@ -107,6 +108,50 @@ async def test_errors_come_back_as_their_classes(plane):
 
 
 @pytest.mark.anyio
+async def test_async_idle_settings_suspend_hibernate_and_resume(plane):
+    async with async_sdk(plane, plane.key_for("alice", max_machines=1)) as boxd:
+        machine = await boxd.machines.new(
+            "web", suspend_after_s=30, hibernate_after_s=0, http_port=3000, public=True
+        )
+        assert (machine.suspend_after_s, machine.hibernate_after_s) == (30, 0)
+        assert (machine.http_port, machine.public) == (3000, True)
+        await boxd.machines.wait_until_ready(machine)
+
+        assert (await boxd.machines.suspend(machine)).state is MachineState.PAUSED
+        assert (await boxd.machines.resume("web")).state is MachineState.RUNNING
+        assert (await boxd.machines.hibernate("web")).state is MachineState.STOPPED
+        assert (await boxd.machines.get("web")).state is MachineState.STOPPED  # looking is no use
+        assert (await boxd.machines.exec("web", "echo woken")).stdout == "woken\n"
+        assert (await boxd.machines.get("web")).state is MachineState.RUNNING
+
+        await boxd.machines.hibernate("web")
+        await boxd.machines.new("other")  # a hibernated machine holds no quota
+        with pytest.raises(QuotaExceeded):
+            await boxd.machines.resume("web")
+        with pytest.raises(NotFound):
+            await boxd.machines.suspend("missing")
+
+
+@pytest.mark.anyio
+async def test_new_sends_idle_and_url_settings_only_when_asked():
+    bodies = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return httpx.Response(400, json={"error": {"code": "invalid_input", "message": "stop here"}})
+
+    async with AsyncBoxd(api_key="k", base_url="http://daemon", transport=httpx.MockTransport(answer)) as boxd:
+        for options in ({}, {"suspend_after_s": 0, "hibernate_after_s": 0, "http_port": 3000, "public": True}):
+            with pytest.raises(InvalidInput):
+                await boxd.machines.new("m", **options)
+    plain, asked = bodies
+    assert set(plain) == {"name", "vcpus", "memory_mib", "disk_gib", "isolated"}  # an older daemon accepts it
+    assert {k: asked[k] for k in ("suspend_after_s", "hibernate_after_s", "http_port", "public")} == {
+        "suspend_after_s": 0, "hibernate_after_s": 0, "http_port": 3000, "public": True
+    }
+
+
+@pytest.mark.anyio
 async def test_admin_through_the_sdk(plane):
     async with async_sdk(plane, None, local=True) as admin:
         await admin.admin.set_account("team", max_machines=4)
@@ -188,6 +233,8 @@ def test_every_async_method_has_a_sync_face_with_the_same_parameters():
         (async_client.AsyncBoxd, sync_client.Boxd),
         (async_client.AsyncMachines, sync_client.Machines),
         (async_client.AsyncFiles, sync_client.Files),
+        (async_client.AsyncCheckpoints, sync_client.Checkpoints),
+        (async_client.AsyncSnapshots, sync_client.Snapshots),
         (async_client.AsyncAdmin, sync_client.Admin),
     ]
     for async_cls, sync_cls in pairs:
@@ -227,6 +274,21 @@ def test_the_seed_flow_with_the_embedded_default(home, monkeypatch, tmp_path):
         assert events == ["started", "stdout", "exit"]
         boxd.machines.delete("rl-base")
         boxd.close()
+
+
+def test_the_sync_face_suspends_and_wakes(home, monkeypatch):
+    monkeypatch.setenv("BOXD_HOME", str(home))
+    monkeypatch.delenv("BOXD_URL", raising=False)
+    monkeypatch.delenv("BOXD_API_KEY", raising=False)
+    with daemon_thread(home) as daemon, Boxd() as boxd:
+        machine = boxd.machines.new("web", public=True, suspend_after_s=0)
+        assert machine.url == f"http://web.localhost:{daemon.port}/"
+        boxd.machines.wait_until_ready(machine)
+        assert boxd.machines.suspend("web").state is MachineState.PAUSED
+        assert boxd.machines.resume("web").state is MachineState.RUNNING
+        assert boxd.machines.hibernate("web").state is MachineState.STOPPED
+        boxd.machines.resume("web")
+        assert boxd.machines.wait_until_ready("web").state is MachineState.RUNNING
 
 
 def _health_in_child(queue) -> None:

@@ -1,4 +1,4 @@
-"""``boxd machine ...``: create, fork, inspect, delete, exec, files, checkpoints."""
+"""``boxd machine ...``: create, fork, inspect, delete, suspend and wake, exec, files, checkpoints."""
 
 from __future__ import annotations
 
@@ -27,15 +27,47 @@ def machine() -> None:
     "--from-snapshot", "from_snapshot", metavar="REF",
     help="start at a snapshot's instant (NAME, NAME@VERSION or digest); its size comes from the snapshot",
 )
+@click.option(
+    "--suspend-after", "suspend_after_s", type=float, metavar="S",
+    help="idle seconds before it is suspended (0: never; default: the daemon's)",
+)
+@click.option(
+    "--hibernate-after", "hibernate_after_s", type=float, metavar="S",
+    help="further idle seconds before it is hibernated (0: never; default: the daemon's)",
+)
+@click.option("--no-idle", is_flag=True, help="never suspend or hibernate it for being idle")
+@click.option("--http-port", type=int, default=8080, show_default=True, help="the port in the machine its URL leads to")
+@click.option("--public", is_flag=True, help="its URL answers without the account's key")
 @click.option("--timeout", type=float, default=300, show_default=True, help="seconds to wait until ready")
 def new(
-    name: str, vcpus: int, memory_mib: int, disk_gib: int, isolated: bool, from_snapshot: str | None, timeout: float
+    name: str,
+    vcpus: int,
+    memory_mib: int,
+    disk_gib: int,
+    isolated: bool,
+    from_snapshot: str | None,
+    suspend_after_s: float | None,
+    hibernate_after_s: float | None,
+    no_idle: bool,
+    http_port: int,
+    public: bool,
+    timeout: float,
 ) -> None:
-    """Create a machine and wait until it is ready."""
+    """Create a machine and wait until it is ready.
+
+    Idle, it is suspended (memory kept, about a millisecond to wake) and later
+    hibernated (state on disk, memory freed); any use of it wakes it.
+    """
+    if no_idle:
+        if suspend_after_s is not None or hibernate_after_s is not None:
+            raise click.UsageError("--no-idle leaves no room for --suspend-after or --hibernate-after")
+        suspend_after_s = hibernate_after_s = 0
     doing = f"starting {name}" if from_snapshot is None else f"starting {name} from snapshot {from_snapshot}"
     with daemon() as boxd, output.err.status(doing):
         created = boxd.machines.new(
-            name, vcpus=vcpus, memory_mib=memory_mib, disk_gib=disk_gib, isolated=isolated, from_snapshot=from_snapshot
+            name, vcpus=vcpus, memory_mib=memory_mib, disk_gib=disk_gib, isolated=isolated,
+            from_snapshot=from_snapshot, suspend_after_s=suspend_after_s, hibernate_after_s=hibernate_after_s,
+            http_port=http_port, public=public,
         )
         ready = boxd.machines.wait_until_ready(created, timeout=timeout)
     output.machine(ready)
@@ -75,6 +107,34 @@ def delete(name: str) -> None:
     with daemon() as boxd:
         gone = boxd.machines.delete(name)
     output.err.print(f"deleted {gone.name} ({gone.id})")
+
+
+@machine.command("suspend")
+@click.argument("name")
+def suspend(name: str) -> None:
+    """Stop a machine's vCPUs, keeping its memory; any use of it wakes it."""
+    with daemon() as boxd:
+        output.machine(boxd.machines.suspend(name))
+
+
+@machine.command("hibernate")
+@click.argument("name")
+def hibernate(name: str) -> None:
+    """Save a machine's state to disk and free its memory; any use of it wakes it."""
+    with daemon() as boxd, output.err.status(f"hibernating {name}"):
+        hibernated = boxd.machines.hibernate(name)
+    output.machine(hibernated)
+
+
+@machine.command("resume")
+@click.argument("name")
+@click.option("--timeout", type=float, default=120, show_default=True, help="seconds to wait until ready")
+def resume(name: str, timeout: float) -> None:
+    """Wake a suspended or hibernated machine and wait until it is ready."""
+    with daemon() as boxd, output.err.status(f"waking {name}"):
+        resumed = boxd.machines.resume(name)
+        ready = boxd.machines.wait_until_ready(resumed, timeout=timeout)
+    output.machine(ready)
 
 
 def _environment(pairs: tuple[str, ...]) -> dict[str, str]:

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 
 from rich.console import Console
 from rich.table import Table
 
-from boxd.models import Account, ApiKey, Checkpoint, Machine, Snapshot, SnapshotState
+from boxd.models import Account, ApiKey, Checkpoint, Machine, MachineState, Snapshot, SnapshotState
 
-out = Console(highlight=False)
+# A pipe or a file gets whole lines (ids and URLs are there to be copied); rich would
+# cut a table to 80 columns there.
+PIPED_WIDTH = 250
+out = Console(highlight=False, width=None if sys.stdout.isatty() else PIPED_WIDTH)
 err = Console(stderr=True, highlight=False)
 
 
@@ -62,15 +66,45 @@ def _shared_fields(item: Machine | Snapshot) -> dict[str, object]:
     }
 
 
+# What a machine's state means to someone who did not ask for it.
+_STATE_MEANING = {MachineState.PAUSED: "suspended", MachineState.STOPPED: "hibernated"}
+
+
+def _machine_state(item: Machine) -> str:
+    meaning = _STATE_MEANING.get(item.state)
+    return item.state.value if meaning is None else f"{item.state.value} ({meaning})"
+
+
+def _idle_step(seconds: float | None) -> str:
+    if seconds is None:
+        return "the daemon's default"
+    return "never" if seconds == 0 else f"{seconds:g} s"
+
+
 def machine(item: Machine) -> None:
-    fields({"id": item.id, "name": item.name, "state": item.state.value, **_shared_fields(item)})
+    fields(
+        {
+            "id": item.id,
+            "name": item.name,
+            "state": _machine_state(item),
+            "url": item.url,
+            "public": "yes" if item.public else "no",
+            "http port": item.http_port,
+            "suspend after idle": _idle_step(item.suspend_after_s),
+            "hibernate after suspend": _idle_step(item.hibernate_after_s),
+            **_shared_fields(item),
+        }
+    )
 
 
 def machines(items: Iterable[Machine]) -> None:
     table(
-        ["NAME", "ID", "STATE", "VCPUS", "MEMORY", "DISK", "CREATED"],
+        ["NAME", "ID", "STATE", "VCPUS", "MEMORY", "DISK", "CREATED", "URL"],
         [
-            (m.name, m.id, m.state.value, m.vcpus, f"{m.memory_mib} MiB", f"{m.disk_gib} GiB", _when(m.created_at))
+            (
+                m.name, m.id, _machine_state(m), m.vcpus, f"{m.memory_mib} MiB", f"{m.disk_gib} GiB",
+                _when(m.created_at), m.url,
+            )
             for m in items
         ],
     )

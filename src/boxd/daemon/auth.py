@@ -39,6 +39,12 @@ class Keys:
         record = self._store.add_key(key_id, account, name, _sha256(key), machine=machine)
         return CreatedKey(**record.model_dump(), key=key)
 
+    @staticmethod
+    def is_boxd_key(authorization: str | None) -> bool:
+        """Whether an Authorization header carries a boxd key (and not a machine app's own)."""
+        scheme, _, key = (authorization or "").partition(" ")
+        return scheme.lower() == "bearer" and key.strip().startswith(KEY_PREFIX)
+
     def account_of(self, authorization: str | None) -> str:
         """The account an ``Authorization: Bearer`` header belongs to; AuthError if none."""
         if not authorization:

@@ -133,6 +133,7 @@ class MachineService:
         # Create and delete of one machine never overlap.
         self._lifecycle_locks: dict[str, asyncio.Lock] = {}
         self._idle_watch: asyncio.Task | None = None
+        self._power_locks: dict[str, asyncio.Lock] = {}
 
     # -- startup and shutdown ---------------------------------------------------------
 
@@ -146,6 +147,8 @@ class MachineService:
                 continue
             if info.state is VMState.FAILED:
                 self._fail(machine.id, "its process exited while the daemon was down")
+            elif info.state is VMState.STOPPED:  # hibernated, perhaps with a wake cut short
+                self._store.update_machine(machine.id, state=MachineState.STOPPED)
             elif machine.state is MachineState.STARTING:
                 self._watch_readiness(machine.id)
             elif machine.state.value != info.state.value:  # the runtime knows best
@@ -330,6 +333,7 @@ class MachineService:
                 await self.runtime.delete(machine_id)
             deleted = self._store.mark_deleted(machine.id)
         self._lifecycle_locks.pop(machine_id, None)
+        self._power_locks.pop(machine_id, None)
         self.activity.forget(machine_id)
         event(log, "machine.deleted", machine=machine_id, account=account)
         return deleted
@@ -356,62 +360,86 @@ class MachineService:
         return machine
 
     async def usable(self, account: str, ref: str) -> Machine:
-        """A running machine to work in: woken if it is suspended or hibernated, waited
-        for if it is still starting."""
+        """A running machine to work in: woken if it is suspended or hibernated (or
+        being put to sleep right now), waited for if it is still starting."""
         machine = self._store.find_machine(account, ref)
         self.activity.touch(machine.id)
-        if machine.state in (MachineState.PAUSED, MachineState.STOPPED):
-            await self.resume(account, machine.id)
+        async with self._power_lock(machine.id):
+            await self._wake(self._store.find_machine(account, machine.id))
         machine = await self.wait_ready(account, machine.id, self.limits.ready_timeout_s)
         self.activity.touch(machine.id)
         return machine
 
     # -- idle machines ----------------------------------------------------------------
+    #
+    # Suspending, hibernating and waking one machine take its power lock, then its
+    # lifecycle lock: a use that comes while the machine is being put to sleep waits,
+    # then wakes it; an idle pass looks again under the lock before it acts.
+
+    def _power_lock(self, machine_id: str) -> asyncio.Lock:
+        return self._power_locks.setdefault(machine_id, asyncio.Lock())
 
     async def suspend(self, account: str, ref: str) -> Machine:
         """Stop a running machine's vCPUs; its memory stays, and any use wakes it."""
-        machine = await self.wait_ready(account, ref, self.limits.ready_timeout_s)
-        async with self.lifecycle_lock(machine.id):
-            await self.runtime.suspend(machine.id)
-            self._store.update_machine(machine.id, state=MachineState.PAUSED, only_from=MachineState.RUNNING)
-        event(log, "machine.suspended", machine=machine.id)
+        machine = self._store.find_machine(account, ref)
+        if machine.state is not MachineState.PAUSED:
+            machine = await self.wait_ready(account, ref, self.limits.ready_timeout_s)
+            async with self._power_lock(machine.id):
+                await self._sleep(self._store.find_machine(account, machine.id), MachineState.PAUSED)
         return self._store.find_machine(account, machine.id)
 
     async def hibernate(self, account: str, ref: str) -> Machine:
         """Save a machine's whole state to disk and end its process; it stops counting
         against the quota, and any use wakes it (if the quota allows)."""
         machine = self._store.find_machine(account, ref)
-        if machine.state not in (MachineState.RUNNING, MachineState.PAUSED):
+        if machine.state not in (MachineState.RUNNING, MachineState.PAUSED, MachineState.STOPPED):
             machine = await self.wait_ready(account, ref, self.limits.ready_timeout_s)
-        async with self.lifecycle_lock(machine.id):
-            started = time.monotonic()
-            await self.runtime.hibernate(machine.id)
-            self._store.update_machine(machine.id, state=MachineState.STOPPED)
-        event(log, "machine.hibernated", machine=machine.id, seconds=round(time.monotonic() - started, 2))
+        async with self._power_lock(machine.id):
+            await self._sleep(self._store.find_machine(account, machine.id), MachineState.STOPPED)
         return self._store.find_machine(account, machine.id)
 
     async def resume(self, account: str, ref: str) -> Machine:
         """Run a suspended machine again, or bring back a hibernated one (quota permitting)."""
         machine = self._store.find_machine(account, ref)
+        async with self._power_lock(machine.id):
+            await self._wake(self._store.find_machine(account, machine.id))
+        self.activity.touch(machine.id)
+        return self._store.find_machine(account, machine.id)
+
+    async def _sleep(self, machine: Machine, state: MachineState) -> None:
+        """Suspend (PAUSED) or hibernate (STOPPED) a machine; the caller holds its power lock."""
+        if machine.state is state:
+            return
         async with self.lifecycle_lock(machine.id):
-            machine = self._store.find_machine(account, machine.id)  # again, under the lock
+            started = time.monotonic()
+            if state is MachineState.PAUSED:
+                await self.runtime.suspend(machine.id)
+            else:
+                await self.runtime.hibernate(machine.id)
+            self._store.update_machine(machine.id, state=state)
+        event(log, "machine.suspended" if state is MachineState.PAUSED else "machine.hibernated",
+              machine=machine.id, seconds=round(time.monotonic() - started, 3))
+
+    async def _wake(self, machine: Machine) -> None:
+        """Wake a suspended or hibernated machine; the caller holds its power lock."""
+        if machine.state not in (MachineState.PAUSED, MachineState.STOPPED):
+            return
+        async with self.lifecycle_lock(machine.id):
             if machine.state is MachineState.PAUSED:
                 started = time.perf_counter()
                 await self.runtime.resume(machine.id)
                 woke_ms = (time.perf_counter() - started) * 1000
                 self._store.update_machine(machine.id, state=MachineState.RUNNING, only_from=MachineState.PAUSED)
                 event(log, "machine.resumed", machine=machine.id, ms=round(woke_ms, 3))
-            elif machine.state is MachineState.STOPPED:
-                self._store.wake_machine(machine.id)  # QuotaExceeded leaves it hibernated
-                try:
-                    await self.runtime.resume(machine.id)
-                except BaseException as error:
-                    self._fail(machine.id, f"waking from hibernation failed: {reason_of(error)}")
-                    raise
-                event(log, "machine.woke", machine=machine.id)
-                self._watch_readiness(machine.id)
-        self.activity.touch(machine.id)
-        return self._store.find_machine(account, machine.id)
+                return
+            self._store.wake_machine(machine.id)  # QuotaExceeded leaves it hibernated
+            try:
+                await self.runtime.resume(machine.id)
+            except BaseException as error:
+                self._fail(machine.id, f"waking from hibernation failed: {reason_of(error)}")
+                raise
+            event(log, "machine.woke", machine=machine.id)
+            self._watch_readiness(machine.id)
 
     def start_idle_watch(self) -> None:
         self._idle_watch = asyncio.create_task(self._watch_idle(), name="idle-machines")
@@ -424,18 +452,25 @@ class MachineService:
     async def enforce_idle_policy(self) -> None:
         """One pass: suspend or hibernate every machine idle for long enough."""
         for machine in self._store.machines_on_host():
-            due = self.idle.step_due(machine, self.activity.idle_for(machine.id))
-            if due is None or self.lifecycle_lock(machine.id).locked():
+            if self.idle.step_due(machine, self.activity.idle_for(machine.id)) is None:
                 continue
-            account = self._store.account_of(machine.id)
-            try:
-                if due is MachineState.PAUSED:
-                    await self.suspend(account, machine.id)
-                else:
-                    await self.hibernate(account, machine.id)
-            except BoxdError as error:  # it changed meanwhile (deleted, failed): next pass sees it
-                event(log, "machine.idle_step_failed", level=logging.WARNING, machine=machine.id,
-                      step=due.value, reason=error.message)
+            power = self._power_lock(machine.id)
+            if power.locked() or self.lifecycle_lock(machine.id).locked():
+                continue  # in use right now: not idle
+            async with power:
+                # Looked at again under the lock: a use may have come meanwhile.
+                try:
+                    machine = self._store.find_machine(self._store.account_of(machine.id), machine.id)
+                except NotFound:  # deleted meanwhile
+                    continue
+                due = self.idle.step_due(machine, self.activity.idle_for(machine.id))
+                if due is None:
+                    continue
+                try:
+                    await self._sleep(machine, due)
+                except BoxdError as error:  # it changed meanwhile (failed): the next pass sees it
+                    event(log, "machine.idle_step_failed", level=logging.WARNING, machine=machine.id,
+                          step=due.value, reason=error.message)
 
     # -- checkpoints ------------------------------------------------------------------
 

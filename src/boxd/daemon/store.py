@@ -370,7 +370,8 @@ class Store:
     def find_public_machine(self, ref: str) -> Machine:
         """A live public machine of any account, by id, or by name where only one has it."""
         rows = self._read(
-            "SELECT * FROM machines WHERE public = 1 AND deleted_at IS NULL AND (id = ? OR name = ?)", ref, ref
+            "SELECT * FROM machines WHERE public = 1 AND deleted_at IS NULL AND state != ? AND (id = ? OR name = ?)",
+            MachineState.FAILED.value, ref, ref,
         )
         if len(rows) != 1:
             raise NotFound(f"no public machine named or with id {ref}", field="machine")

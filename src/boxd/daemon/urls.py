@@ -13,6 +13,7 @@ the host's loopback). A restore keeps that port; a fork gets its own.
 
 from __future__ import annotations
 
+import http.cookiejar
 import re
 from collections.abc import AsyncIterator
 
@@ -30,13 +31,13 @@ MACHINE_HOST = re.compile(r"^(?P<label>[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?)\.lo
 # Meaningful for one connection only, or boxd's own: never passed through.
 _HOP_BY_HOP = {
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
-    b"transfer-encoding", b"upgrade", b"host", b"authorization",
+    b"transfer-encoding", b"upgrade", b"host",
 }
 
 
-def _passed_on(raw_headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """Every header but the hop-by-hop ones, repeated ones (Set-Cookie) kept apart."""
-    return [(name, value) for name, value in raw_headers if name.lower() not in _HOP_BY_HOP]
+def _passed_on(raw_headers: list[tuple[bytes, bytes]], *, drop: frozenset[bytes] = frozenset()) -> list[tuple[bytes, bytes]]:
+    """Every header but the hop-by-hop ones (and ``drop``), repeated ones (Set-Cookie) kept apart."""
+    return [(name, value) for name, value in raw_headers if name.lower() not in _HOP_BY_HOP | drop]
 
 
 class MachineURLs:
@@ -64,13 +65,21 @@ class MachineURLs:
         await response(scope, receive, send)
 
     def _machine_for(self, request: Request, label: str):
+        """The account and machine a request is for. An Authorization header that is not a
+        boxd key belongs to the machine's app, and is passed on to it."""
         authorization = request.headers.get("authorization")
-        if authorization:
+        not_yours = None
+        if self._keys.is_boxd_key(authorization):
             account = self._keys.account_of(authorization)
-            return account, self._store.find_machine(account, label)
+            try:
+                return account, self._store.find_machine(account, label)
+            except NotFound as error:
+                not_yours = error  # another account's machine may still be public
         try:
             machine = self._store.find_public_machine(label)
         except NotFound:
+            if not_yours is not None:
+                raise not_yours from None
             # Not found and not public look the same: a URL does not tell who has what.
             raise AuthError(
                 f"{label}.localhost: send the account's key (Authorization: Bearer <key>), "
@@ -82,9 +91,24 @@ class MachineURLs:
         account, machine = self._machine_for(request, label)
         machine = await self._machines.usable(account, machine.id)
         info = await self._machines.runtime.info(machine.id)
-        target = httpx.URL(f"http://127.0.0.1:{info.url_port}{request.url.path}", query=request.url.query.encode())
+        if info.url_port is None:
+            raise Unreachable(f"machine {machine.name} has no URL port (it was made before machines had URLs)")
+        # The request target as it came (a decoded path would turn %3F into a query, %2F
+        # into a slash), and no "?" when there is no query.
+        query = request.scope.get("query_string", b"")
+        raw_target = request.scope.get("raw_path") or request.url.path.encode()
+        target = httpx.URL(f"http://127.0.0.1:{info.url_port}").copy_with(
+            raw_path=raw_target + (b"?" + query if query else b"")
+        )
+        # No body, none passed on: a stream would go as an empty chunked body, even on a GET.
+        has_body = "content-length" in request.headers or "transfer-encoding" in request.headers
         upstream_request = self._client.build_request(
-            request.method, target, headers=_passed_on(request.headers.raw), content=request.stream()
+            request.method, target,
+            headers=_passed_on(
+                request.headers.raw,
+                drop=frozenset({b"authorization"}) if self._keys.is_boxd_key(request.headers.get("authorization")) else frozenset(),
+            ),
+            content=request.stream() if has_body else None,
         )
         activity = self._machines.activity
         activity.begin(machine.id)  # until the whole answer has been passed on
@@ -111,5 +135,8 @@ class MachineURLs:
 
 
 def proxy_client() -> httpx.AsyncClient:
-    # No read timeout: a machine's app may stream for as long as it likes.
-    return httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None), follow_redirects=False)
+    # No read timeout: a machine's app may stream for as long as it likes. No cookie jar:
+    # a cookie belongs to the browser it was set for, never to the next visitor (nor to
+    # the next machine, since every machine's app is on 127.0.0.1).
+    no_cookies = http.cookiejar.CookieJar(http.cookiejar.DefaultCookiePolicy(allowed_domains=[]))
+    return httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None), follow_redirects=False, cookies=no_cookies)

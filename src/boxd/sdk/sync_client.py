@@ -183,11 +183,16 @@ class Machines:
         disk_gib: int = 4,
         isolated: bool = False,
         from_snapshot: str | None = None,
+        suspend_after_s: float | None = None,
+        hibernate_after_s: float | None = None,
+        http_port: int = 8080,
+        public: bool = False,
     ) -> Machine:
         return self._portal.call(
             lambda c: c.machines.new(
                 name, vcpus=vcpus, memory_mib=memory_mib, disk_gib=disk_gib, isolated=isolated,
-                from_snapshot=from_snapshot,
+                from_snapshot=from_snapshot, suspend_after_s=suspend_after_s, hibernate_after_s=hibernate_after_s,
+                http_port=http_port, public=public,
             )
         )
 
@@ -206,6 +211,18 @@ class Machines:
     @_mirrors(AsyncMachines.fork)
     def fork(self, source: MachineRef, name: str) -> Machine:
         return self._portal.call(lambda c: c.machines.fork(source, name))
+
+    @_mirrors(AsyncMachines.suspend)
+    def suspend(self, machine: MachineRef) -> Machine:
+        return self._portal.call(lambda c: c.machines.suspend(machine))
+
+    @_mirrors(AsyncMachines.hibernate)
+    def hibernate(self, machine: MachineRef) -> Machine:
+        return self._portal.call(lambda c: c.machines.hibernate(machine))
+
+    @_mirrors(AsyncMachines.resume)
+    def resume(self, machine: MachineRef) -> Machine:
+        return self._portal.call(lambda c: c.machines.resume(machine))
 
     @_mirrors(AsyncMachines.wait_until_ready)
     def wait_until_ready(self, machine: MachineRef, timeout: float = 120) -> Machine:
