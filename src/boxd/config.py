@@ -21,6 +21,8 @@ def boxd_home() -> Path:
     return (Path(xdg) / "boxd").resolve()
 
 
+# Commands run and files are written as this guest user unless asked otherwise.
+DEFAULT_USER = "boxd"
 # Inside a machine: the key the daemon hands it, which the SDK there uses by itself.
 MACHINE_KEY_PATH = Path("/etc/boxd/api-key")
 # Inside a machine: where the agent serves the boxd API, tunnelled to the daemon.

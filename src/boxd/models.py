@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from boxd.runtime.interface import DEFAULT_USER
+from boxd.config import DEFAULT_USER
 
 # A DNS label, so that a machine name can become a host name later.
 _DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")

@@ -56,8 +56,14 @@ class AgentOnSocket:
             pass
 
     def close(self) -> None:
-        # An invalid fd ends the agent's read loop before the connection's number is reused.
         if self.agent is not None:
+            # A guest's listeners live as long as it does; this "guest" ends here.
+            for listener in self.agent.listeners.values():
+                listener.shutdown(socket.SHUT_RDWR)  # wakes its accept()
+                listener.close()
+            for tunnel in list(self.agent.tunnels.values()):
+                tunnel.end(tell_host=False)
+            # An invalid fd ends the agent's read loop before the connection's number is reused.
             self.agent.channel.fd = -1
         self.server.close()
         for connection in self.connections:

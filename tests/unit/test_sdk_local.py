@@ -1,4 +1,5 @@
-"""The embedded default: with no BOXD_URL the SDK starts the local daemon itself."""
+"""The defaults with no BOXD_URL: the SDK starts the local daemon itself, except inside
+a machine, where it reaches the daemon that runs the machine, with the machine's key."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ import signal
 import stat
 import time
 
+import httpx
 import pytest
 from fakes import short_home
 
-from boxd import Boxd
+from boxd import AsyncBoxd, Boxd
 from boxd.config import shm_dir
 from boxd.daemon import local_key_path, log_path, socket_path
+from boxd.sdk import async_client
+from boxd.sdk.connection import resolve_endpoint
 
 home = pytest.fixture(short_home)
 
@@ -38,6 +42,7 @@ def test_the_sdk_starts_a_daemon_when_none_answers(home, monkeypatch):
     monkeypatch.setenv("BOXD_PORT", "0")  # any free port: other daemons may run on this host
     monkeypatch.delenv("BOXD_URL", raising=False)
     monkeypatch.delenv("BOXD_API_KEY", raising=False)
+    monkeypatch.setenv("BOXD_MACHINE_KEY_FILE", str(home / "no-machine-key"))  # even run in a machine
     try:
         with Boxd() as boxd:
             assert boxd.health().status == "ok"
@@ -54,3 +59,58 @@ def test_the_sdk_starts_a_daemon_when_none_answers(home, monkeypatch):
         if (home / "daemon.lock").exists():
             _stop_daemon(home)
         shutil.rmtree(shm_dir(home), ignore_errors=True)
+
+
+@pytest.fixture
+def in_a_machine(tmp_path, monkeypatch):
+    """The environment of code in a machine: a key file from the daemon, no BOXD_URL."""
+    key_file = tmp_path / "api-key"
+    key_file.write_text("bxd_machine_key\n")
+    monkeypatch.setenv("BOXD_MACHINE_KEY_FILE", str(key_file))
+    monkeypatch.setenv("BOXD_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("BOXD_URL", raising=False)
+    monkeypatch.delenv("BOXD_API_KEY", raising=False)
+    return key_file
+
+
+@pytest.mark.anyio
+async def test_in_a_machine_the_sdk_uses_the_tunnel_and_starts_no_daemon(in_a_machine, tmp_path, monkeypatch):
+    started = []
+
+    async def no_daemon(home, timeout=60.0):
+        started.append(home)
+
+    monkeypatch.setattr(async_client, "ensure_local_daemon", no_daemon)
+    endpoint = resolve_endpoint(None)
+    assert (endpoint.base_url, endpoint.uds, endpoint.home) == ("http://127.0.0.1:7345", None, None)
+    async with AsyncBoxd() as boxd:
+        http = await boxd._client()  # what a first call opens, without calling anyone
+        assert str(http.base_url) == "http://127.0.0.1:7345"
+    assert started == [] and not (tmp_path / "home").exists()
+
+
+@pytest.mark.anyio
+async def test_in_a_machine_each_request_carries_the_key_in_the_file_then(in_a_machine):
+    keys = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        keys.append((request.url.host, request.url.port, request.headers.get("authorization")))
+        return httpx.Response(200, json={"status": "ok", "version": "test"})
+
+    async with AsyncBoxd(transport=httpx.MockTransport(answer)) as boxd:
+        await boxd.health()
+        in_a_machine.write_text("bxd_key_of_a_fork\n")  # the daemon rewrote it, in a fork
+        await boxd.health()
+    async with AsyncBoxd(api_key="bxd_given", transport=httpx.MockTransport(answer)) as boxd:
+        await boxd.health()
+    assert keys == [
+        ("127.0.0.1", 7345, "Bearer bxd_machine_key"),
+        ("127.0.0.1", 7345, "Bearer bxd_key_of_a_fork"),
+        ("127.0.0.1", 7345, "Bearer bxd_given"),  # a key given wins
+    ]
+
+
+def test_a_url_given_wins_over_the_machine(in_a_machine, monkeypatch):
+    monkeypatch.setenv("BOXD_URL", "http://daemon.example:9000")
+    endpoint = resolve_endpoint(None)
+    assert (endpoint.base_url, endpoint.key_file) == ("http://daemon.example:9000", None)

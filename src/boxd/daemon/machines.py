@@ -151,8 +151,12 @@ class MachineService:
                 self._store.update_machine(machine.id, state=MachineState.STOPPED)
             elif machine.state is MachineState.STARTING:
                 self._watch_readiness(machine.id)
-            elif machine.state.value != info.state.value:  # the runtime knows best
-                self._store.update_machine(machine.id, state=MachineState(info.state.value))
+            else:
+                if machine.state.value != info.state.value:  # the runtime knows best
+                    self._store.update_machine(machine.id, state=MachineState(info.state.value))
+                if info.state is VMState.RUNNING:
+                    # Its agent connects again, and so serves the API inside the machine again.
+                    self._watch_readiness(machine.id)
             event(log, "machine.adopted", machine=machine.id, state=info.state.value, pid=info.pid)
         # What the previous daemon was doing when it died (a capture, a delete) may have
         # left files or a template process behind.

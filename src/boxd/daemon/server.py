@@ -99,7 +99,10 @@ class Daemon:
         if self._runtime is None:
             from boxd.runtime.local import LocalRuntime
 
-            self._runtime = LocalRuntime(self.home)
+            # Machines reach the API through their agent, at the TCP address (which
+            # serves no admin calls), never through the unix socket.
+            api_host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+            self._runtime = LocalRuntime(self.home, api_address=(api_host, self.port))
         machines = MachineService(
             store, self._runtime, images=self._images, limits=self._limits, idle=self._idle, keys=keys
         )

@@ -12,6 +12,32 @@ Request ids make retries safe: a request whose id was seen before is never run a
 a finished one gets its final answer sent once more. That matters after a fork, when
 a new host connection may resend what the old one already sent.
 
+Tunnels carry TCP connections made inside the guest to the host (the SDK in a machine
+reaches the daemon this way; the guest's network cannot reach the host's loopback).
+``tunnel_listen`` (``port``, optional ``host``, default 127.0.0.1) is an ordinary
+request: idempotent, answered with ``result`` once the agent listens. Each connection
+accepted there is then a stream of messages without an id, in both directions:
+
+    guest -> host  {"type": "tunnel_open", "conn": N, "port": P}
+                   {"type": "tunnel_data", "conn": N, "data_b64": ...}
+                   {"type": "tunnel_ack", "conn": N, "bytes": K}
+                   {"type": "tunnel_close", "conn": N}
+    host -> guest  {"op": "tunnel_data", "conn": N, "data_b64": ...}
+                   {"op": "tunnel_ack", "conn": N, "bytes": K}
+                   {"op": "tunnel_close", "conn": N}
+                   {"op": "tunnel_reset"}
+
+They skip the de-duplication memory and get no answer: a connection never outlives
+the host connection that carried it, so nothing is resent that ids would guard, and an
+answer per chunk would double the traffic. ``tunnel_close`` ends the whole connection
+(there is no half-close) once what came before it is delivered; a message for a
+connection the receiver does not hold is ignored. Each side keeps at most
+``TUNNEL_WINDOW`` bytes sent and not yet acknowledged, and acknowledges what it has
+delivered every ``TUNNEL_ACK_EVERY`` bytes or whenever it has nothing more queued, so
+that a reader that stops reading holds up its own connection and nothing else. A host
+sends ``tunnel_reset`` when it connects: the connections of an earlier host (or, in a
+fork, of the source's host) are closed; listeners stay.
+
 Only the standard library is used: the guest has python3 and nothing else of ours.
 """
 
@@ -22,11 +48,14 @@ import collections
 import errno
 import glob
 import grp
+import itertools
 import json
 import os
 import pwd
+import queue
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -39,6 +68,9 @@ SEEN_LIMIT = 4096  # request ids remembered for de-duplication
 DRAIN_GRACE_S = 0.2  # output still read after a command exits (a background child may hold the pipe)
 READ_CHUNK = 64 * 1024
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+TUNNEL_WINDOW = 1 << 20  # bytes of one tunnel connection in flight, unacknowledged
+TUNNEL_ACK_EVERY = 256 * 1024
+TUNNEL_OPS = frozenset({"tunnel_data", "tunnel_ack", "tunnel_close", "tunnel_reset"})  # no id, no answer
 
 
 class AgentFault(Exception):
@@ -281,6 +313,96 @@ class Process:
                 pass
 
 
+class Tunnel:
+    """One connection accepted by a tunnel listener, carried to the host and back.
+
+    A reader thread sends what the guest's client writes, a writer thread writes what
+    the host sends; the serve loop only queues, so a slow client never stalls it.
+    """
+
+    def __init__(self, agent: "Agent", conn: int, sock: socket.socket, port: int) -> None:
+        self.agent = agent
+        self.conn = conn
+        self.sock = sock
+        self.port = port
+        self.inbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()  # None: nothing more to write
+        self.credit = threading.Condition()
+        self.unacked = 0  # bytes sent to the host and not acknowledged yet
+        self.ended = False
+        self.writer = threading.Thread(target=self._write, daemon=True)
+
+    def start(self) -> None:
+        self._tell_host({"type": "tunnel_open", "conn": self.conn, "port": self.port})
+        self.writer.start()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                with self.credit:
+                    self.credit.wait_for(lambda: self.unacked < TUNNEL_WINDOW or self.ended)
+                    if self.ended:
+                        break
+                data = self.sock.recv(READ_CHUNK)
+                if not data:
+                    break
+                with self.credit:
+                    self.unacked += len(data)
+                self._tell_host({"type": "tunnel_data", "conn": self.conn, "data_b64": _b64(data)})
+        except OSError:
+            pass
+        self.end(tell_host=True)
+        # The last user of the socket closes it: a closed number may be reused at once.
+        self.writer.join()
+        self.sock.close()
+
+    def _write(self) -> None:
+        delivered = 0
+        while (data := self.inbox.get()) is not None:
+            if self.ended:
+                continue  # drain until the end marker; the socket is shut already
+            try:
+                self.sock.sendall(data)
+            except OSError:
+                self.end(tell_host=True)
+                continue
+            delivered += len(data)
+            if delivered >= TUNNEL_ACK_EVERY or self.inbox.empty():
+                self._tell_host({"type": "tunnel_ack", "conn": self.conn, "bytes": delivered})
+                delivered = 0
+        # The host's tunnel_close, after all the data before it: the connection is over.
+        self.end(tell_host=False)
+
+    def _tell_host(self, message: dict) -> None:
+        try:
+            self.agent.channel.send(message)
+        except OSError:
+            # No host to tell (only in tests, where the channel is a socket that closed;
+            # a virtio port waits for the next host): nothing carries this connection.
+            self.end(tell_host=False)
+
+    def acknowledged(self, count: int) -> None:
+        with self.credit:
+            self.unacked -= count
+            self.credit.notify_all()
+
+    def end(self, *, tell_host: bool) -> None:
+        """Shut the connection (both threads then finish); only the first call acts."""
+        with self.credit:
+            if self.ended:
+                return
+            self.ended = True
+            self.credit.notify_all()
+        self.agent.forget_tunnel(self.conn)
+        if tell_host:
+            self._tell_host({"type": "tunnel_close", "conn": self.conn})
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes a recv or sendall in progress
+        except OSError:
+            pass
+        self.inbox.put(None)
+
+
 class Agent:
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
@@ -289,15 +411,21 @@ class Agent:
         self.seen: collections.OrderedDict[str, dict | None] = collections.OrderedDict()
         self.processes: dict[str, Process] = {}
         self.started = time.time()
+        self.listeners: dict[tuple[str, int], socket.socket] = {}
+        self.tunnels: dict[int, Tunnel] = {}
+        self.tunnel_ids = itertools.count(1)
 
     def serve(self) -> None:
         for line in self.channel.lines():
             try:
                 request = json.loads(line)
-                request_id = str(request["id"])
                 op = str(request["op"])
+                request_id = None if op in TUNNEL_OPS else str(request["id"])
             except (ValueError, KeyError, TypeError):
                 # The tail of a line cut off by an earlier host connection: drop it.
+                continue
+            if request_id is None:
+                self._tunnel_message(op, request)
                 continue
             if not self._first_time(request_id):
                 continue
@@ -364,10 +492,75 @@ class Agent:
             raise AgentFault("not_found", f"target: no running process {target!r}", "target")
         return process
 
+    # -- tunnels ----------------------------------------------------------------------
+
+    def _tunnel_message(self, op: str, request: dict) -> None:
+        if op == "tunnel_reset":
+            with self.lock:
+                stale = list(self.tunnels.values())
+            for tunnel in stale:
+                tunnel.end(tell_host=False)
+            return
+        conn = request.get("conn")
+        with self.lock:
+            tunnel = self.tunnels.get(conn) if isinstance(conn, int) else None
+        if tunnel is None:
+            return  # ended here already, or a connection of the source's host in a fork
+        try:
+            if op == "tunnel_data":
+                tunnel.inbox.put(_unb64(request.get("data_b64", "")))
+            elif op == "tunnel_ack":
+                tunnel.acknowledged(int(request.get("bytes", 0)))
+            else:
+                tunnel.inbox.put(None)
+        except (ValueError, TypeError):
+            tunnel.end(tell_host=True)  # a garbled message: better a closed connection than a corrupt one
+
+    def forget_tunnel(self, conn: int) -> None:
+        with self.lock:
+            self.tunnels.pop(conn, None)
+
+    def _accept_tunnels(self, listener: socket.socket, port: int) -> None:
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except OSError:
+                if listener.fileno() < 0:
+                    return  # closed (only tests close one)
+                time.sleep(0.1)  # out of file descriptors, say: the next try may work
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a small answer must not wait
+            with self.lock:
+                conn = next(self.tunnel_ids)
+                tunnel = self.tunnels[conn] = Tunnel(self, conn, sock, port)
+            tunnel.start()
+
     # -- operations -------------------------------------------------------------------
 
     def op_ping(self, request: dict) -> dict:
         return {"version": AGENT_VERSION, "uptime": time.time() - self.started, "pid": os.getpid()}
+
+    def op_tunnel_listen(self, request: dict) -> dict:
+        """Listen on ``host:port`` in the guest and offer each connection to the host."""
+        port, host = request.get("port"), request.get("host") or "127.0.0.1"
+        if type(port) is not int or not 0 < port < 65536:
+            raise AgentFault("invalid_input", f"port: expected a TCP port number, got {port!r}", "port")
+        if not isinstance(host, str):
+            raise AgentFault("invalid_input", f"host: expected an address, got {host!r}", "host")
+        with self.lock:
+            if (host, port) in self.listeners:
+                return {"host": host, "port": port}
+        try:
+            listener = socket.create_server((host, port))
+        except socket.gaierror as error:
+            raise AgentFault("invalid_input", f"host: {host}: {error.strerror}", "host") from None
+        except OSError as error:
+            code = "conflict" if error.errno == errno.EADDRINUSE else "internal"
+            raise AgentFault(code, f"port: cannot listen on {host}:{port}: {error.strerror}", "port") from None
+        with self.lock:
+            self.listeners[(host, port)] = listener
+        threading.Thread(target=self._accept_tunnels, args=(listener, port), daemon=True).start()
+        return {"host": host, "port": port}
 
     def op_set_time(self, request: dict) -> dict:
         time.clock_settime_ns(time.CLOCK_REALTIME, int(request["epoch_ns"]))

@@ -2,6 +2,9 @@
 
 One ``AgentClient`` holds the single connection QEMU's chardev accepts for a machine and
 multiplexes every request over it: many commands may stream at once while files move.
+It also serves tunnels (``serve_tunnels``): connections made to a port inside the
+guest, each carried to a fresh host connection; only bytes move, nothing here knows
+what they mean. Tunnels belong to one agent connection: when it ends, they close.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,14 @@ log = logging.getLogger(__name__)
 LINE_LIMIT = 16 * 1024 * 1024
 FILE_CHUNK = 512 * 1024
 WINDOW = 4  # file chunks in flight at once
+TUNNEL_CHUNK = 64 * 1024  # bytes read from a host connection at a time
+# As in the agent: bytes of one tunnel connection in flight, and how often what was
+# delivered is acknowledged (also whenever nothing more is queued).
+TUNNEL_WINDOW = 1 << 20
+TUNNEL_ACK_EVERY = 256 * 1024
+TUNNEL_EVENTS = frozenset({"tunnel_open", "tunnel_data", "tunnel_ack", "tunnel_close"})
+
+TunnelConnect = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
 
 
 class _ConnectionLost(Exception):
@@ -77,6 +88,19 @@ class _Pending:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
 
+@dataclass
+class _Tunnel:
+    """The host's half of one connection made in the guest."""
+
+    conn: int
+    inbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # bytes from the guest; None once it closed
+    unacked: int = 0  # bytes sent to the guest and not acknowledged yet
+    credit: asyncio.Event = field(default_factory=asyncio.Event)
+    guest_closed: bool = False
+    lost: bool = False  # the agent connection that carried it ended
+    task: asyncio.Task | None = None
+
+
 class AgentClient:
     def __init__(self, socket_path: Path, *, name: str = "") -> None:
         self.socket_path = Path(socket_path)
@@ -90,6 +114,8 @@ class AgentClient:
         # A prefix per client keeps ids unique across daemon restarts and forks.
         self._prefix = secrets.token_hex(6)
         self._counter = itertools.count(1)
+        self._tunnel_targets: dict[int, TunnelConnect] = {}  # guest port -> how to reach its target
+        self._tunnels: dict[int, _Tunnel] = {}
 
     # -- connection -------------------------------------------------------------------
 
@@ -126,8 +152,10 @@ class AgentClient:
                         f"machine {self.name}: no agent socket at {self.socket_path}"
                     ) from None
                 await asyncio.sleep(0.02)
-        # Ends any half line an earlier connection left in the guest's input.
+        # Ends any half line an earlier connection left in the guest's input, then closes
+        # the guest's tunnel connections of an earlier host, which nothing carries now.
         self._writer.write(b"\n")
+        self._send({"op": "tunnel_reset"})
         self._read_task = asyncio.create_task(self._read_loop())
 
     async def _read_loop(self) -> None:
@@ -141,6 +169,9 @@ class AgentClient:
                     message = json.loads(line)
                 except ValueError:
                     continue  # the tail of a line sent to an earlier connection
+                if message.get("type") in TUNNEL_EVENTS:
+                    self._on_tunnel_event(message)
+                    continue
                 pending = self._pending.get(str(message.get("id")))
                 if pending is not None:
                     pending.queue.put_nowait(message)
@@ -150,10 +181,16 @@ class AgentClient:
             self._ready = False
             for pending in self._pending.values():
                 pending.queue.put_nowait(_ConnectionLost())
+            for tunnel in self._tunnels.values():
+                tunnel.lost = True
+                if tunnel.task is not None:
+                    tunnel.task.cancel()
+            self._tunnels.clear()
 
     async def _drop(self) -> None:
         self._ready = False
         writer, task = self._writer, self._read_task
+        tunnels = [t.task for t in self._tunnels.values() if t.task is not None]
         self._writer = self._reader = self._read_task = None
         if writer is not None:
             writer.close()
@@ -163,6 +200,8 @@ class AgentClient:
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
+        # The read loop's end cancelled them; let them close their host connections.
+        await asyncio.gather(*tunnels, return_exceptions=True)
 
     async def close(self) -> None:
         await self._drop()
@@ -183,13 +222,17 @@ class AgentClient:
             raise _ConnectionLost()
         self._writer.write(json.dumps(request, separators=(",", ":")).encode() + b"\n")
 
+    async def _send_drained(self, request: dict[str, Any]) -> None:
+        """Send, then wait until the connection has room again (the guest reads at its pace)."""
+        self._send(request)
+        assert self._writer is not None
+        await self._writer.drain()
+
     async def _call_raw(self, request: dict[str, Any], timeout: float | None) -> dict[str, Any]:
         request_id = self._new_id()
         pending = self._pending[request_id] = _Pending()
         try:
-            self._send({"id": request_id, **request})
-            assert self._writer is not None
-            await self._writer.drain()
+            await self._send_drained({"id": request_id, **request})
             message = await asyncio.wait_for(pending.queue.get(), timeout)
         finally:
             self._pending.pop(request_id, None)
@@ -245,9 +288,7 @@ class AgentClient:
         # The guest enforces the timeout; this margin only catches a guest that died.
         host_deadline = None if timeout is None else time.monotonic() + timeout + 30
         try:
-            self._send({"id": request_id, **request})
-            assert self._writer is not None
-            await self._writer.drain()
+            await self._send_drained({"id": request_id, **request})
             while True:
                 remaining = None if host_deadline is None else max(0.0, host_deadline - time.monotonic())
                 try:
@@ -339,3 +380,98 @@ class AgentClient:
 
     async def set_time(self) -> None:
         await self.call("set_time", epoch_ns=time.time_ns())
+
+    # -- tunnels ----------------------------------------------------------------------
+
+    async def serve_tunnels(self, port: int, connect: TunnelConnect, *, host: str = "127.0.0.1") -> None:
+        """Carry each connection made to ``host:port`` in the guest to a new ``connect()`` here.
+
+        Idempotent. The guest's listener lives as long as its agent (a fork inherits it),
+        while ``connect`` is this client's: call this each time the machine is ready.
+        A connection whose ``connect()`` fails is closed in the guest.
+        """
+        self._tunnel_targets[port] = connect
+        await self.call("tunnel_listen", port=port, host=host)
+
+    def _on_tunnel_event(self, message: dict[str, Any]) -> None:
+        """Runs in the read loop, so it only queues and starts tasks; it never waits."""
+        conn, kind = message.get("conn"), message.get("type")
+        if not isinstance(conn, int):
+            return
+        if kind == "tunnel_open":
+            connect = self._tunnel_targets.get(message.get("port"))
+            if connect is None:
+                with contextlib.suppress(_ConnectionLost):
+                    self._send({"op": "tunnel_close", "conn": conn})  # nothing here serves that port
+                return
+            tunnel = self._tunnels[conn] = _Tunnel(conn)
+            tunnel.task = asyncio.create_task(self._carry(tunnel, connect))
+            return
+        tunnel = self._tunnels.get(conn)
+        if tunnel is None:
+            return  # ended here already
+        if kind == "tunnel_data":
+            try:
+                tunnel.inbox.put_nowait(base64.b64decode(message.get("data_b64", ""), validate=True))
+            except (ValueError, TypeError):
+                tunnel.inbox.put_nowait(None)  # a garbled chunk: better a closed connection than a corrupt one
+        elif kind == "tunnel_ack":
+            acknowledged = message.get("bytes")
+            tunnel.unacked -= acknowledged if isinstance(acknowledged, int) else 0
+            tunnel.credit.set()
+        else:
+            tunnel.guest_closed = True
+            tunnel.inbox.put_nowait(None)
+
+    async def _carry(self, tunnel: _Tunnel, connect: TunnelConnect) -> None:
+        """Move one connection's bytes both ways until either end closes, then close the other."""
+        writer: asyncio.StreamWriter | None = None
+        try:
+            try:
+                reader, writer = await connect()
+            except Exception as error:  # whatever the target raises, the guest's client sees a close
+                log.info("tunnel %s of %s: cannot connect to its target: %s", tunnel.conn, self.name, error)
+                return
+            pumps = [
+                asyncio.create_task(self._guest_to_host(tunnel, writer)),
+                asyncio.create_task(self._host_to_guest(tunnel, reader)),
+            ]
+            try:
+                await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for pump in pumps:
+                    pump.cancel()
+                await asyncio.gather(*pumps, return_exceptions=True)
+        finally:
+            if self._tunnels.get(tunnel.conn) is tunnel:
+                del self._tunnels[tunnel.conn]
+            if not (tunnel.guest_closed or tunnel.lost):
+                with contextlib.suppress(_ConnectionLost):
+                    self._send({"op": "tunnel_close", "conn": tunnel.conn})
+            if writer is not None:
+                # It still sends what it holds, then closes; waiting for that could take for
+                # ever (a target that stopped reading).
+                writer.close()
+
+    async def _guest_to_host(self, tunnel: _Tunnel, writer: asyncio.StreamWriter) -> None:
+        delivered = 0
+        while (data := await tunnel.inbox.get()) is not None:
+            writer.write(data)
+            await writer.drain()
+            delivered += len(data)
+            if delivered >= TUNNEL_ACK_EVERY or tunnel.inbox.empty():
+                self._send({"op": "tunnel_ack", "conn": tunnel.conn, "bytes": delivered})
+                delivered = 0
+
+    async def _host_to_guest(self, tunnel: _Tunnel, reader: asyncio.StreamReader) -> None:
+        while True:
+            while tunnel.unacked >= TUNNEL_WINDOW:
+                tunnel.credit.clear()
+                await tunnel.credit.wait()
+            data = await reader.read(TUNNEL_CHUNK)
+            if not data:
+                return
+            tunnel.unacked += len(data)
+            await self._send_drained(
+                {"op": "tunnel_data", "conn": tunnel.conn, "data_b64": base64.b64encode(data).decode()}
+            )

@@ -12,11 +12,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from boxd.config import DEFAULT_USER  # noqa: F401 (the runtime's callers take it from here)
 from boxd.runtime.agent_client import ExecEvent
 from boxd.runtime.snapshots import SnapshotManifest
-
-# Commands run and files are written as this guest user unless asked otherwise.
-DEFAULT_USER = "boxd"
 
 
 class VMState(str, enum.Enum):

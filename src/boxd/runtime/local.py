@@ -27,8 +27,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from boxd.config import boxd_home, shm_dir, vms_dir
-from boxd.errors import AgentUnavailable, BoxdError, Conflict, HostError, InvalidInput, NotFound, Timeout, VMError
+from boxd.config import MACHINE_API_PORT, boxd_home, shm_dir, vms_dir
+from boxd.errors import (
+    AgentUnavailable,
+    BoxdError,
+    Conflict,
+    HostError,
+    InvalidInput,
+    NotFound,
+    Timeout,
+    Unsupported,
+    VMError,
+)
 from boxd.guest.image import Image, load_image
 from boxd.runtime.accel import Accelerator, detect_accelerator
 from boxd.runtime.agent_client import AgentClient, ExecEvent
@@ -159,8 +169,17 @@ class Capture:
 
 
 class LocalRuntime:
-    def __init__(self, home: Path | None = None, *, accelerator: Accelerator | None = None) -> None:
+    def __init__(
+        self,
+        home: Path | None = None,
+        *,
+        accelerator: Accelerator | None = None,
+        api_address: tuple[str, int] | None = None,
+    ) -> None:
+        """``api_address``: where the boxd API listens (TCP, never the admin socket); with
+        it, each machine's agent serves it inside the guest on MACHINE_API_PORT."""
         self.home = Path(home) if home else boxd_home()
+        self.api_address = api_address
         self.vms_dir = vms_dir(self.home)
         self.layers_dir = self.home / "layers"
         self.shm_dir = shm_dir(self.home)
@@ -344,6 +363,7 @@ class LocalRuntime:
             connecting.result()
             # A fork or a restored machine wakes with the clock of its capture.
             await agent.set_time()
+            await self._serve_api(machine, agent)
         except AgentUnavailable:
             # The agent's connection also breaks when QEMU dies just after it connected.
             self._check_alive(machine)
@@ -355,6 +375,16 @@ class LocalRuntime:
                 connecting.cancel()
                 with contextlib.suppress(BaseException):
                     await connecting
+
+    async def _serve_api(self, machine: Machine, agent: AgentClient) -> None:
+        """The boxd API inside the guest, tunnelled through the agent to ``api_address``."""
+        if self.api_address is None:
+            return
+        host, port = self.api_address
+        try:
+            await agent.serve_tunnels(MACHINE_API_PORT, lambda: asyncio.open_connection(host, port))
+        except (Unsupported, Conflict) as error:  # an agent from before tunnels, or the port taken in the guest
+            log.warning("no API inside the machine id=%s reason=%s", machine.id, error.message)
 
     def _check_alive(self, machine: Machine) -> None:
         if not process_alive(machine.pid, self._marker(machine.id)):

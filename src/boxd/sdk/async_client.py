@@ -39,7 +39,7 @@ from boxd.models import (
     Snapshot,
     SnapshotState,
 )
-from boxd.sdk.connection import Endpoint, ensure_local_daemon, local_key, resolve_endpoint
+from boxd.sdk.connection import Endpoint, KeyFileAuth, ensure_local_daemon, local_key, resolve_endpoint
 
 DEFAULT_TIMEOUT = 60.0
 # Creating the first machine may build the guest image first (about 90 s, more on a slow host).
@@ -47,6 +47,9 @@ CREATE_TIMEOUT = 900.0
 # On top of a command's own timeout: the daemon may first wait for a starting machine.
 SERVER_MARGIN = 150.0
 UPLOAD_CHUNK = 1024 * 1024
+# Writing a machine's RAM out to hibernate it, or reading it back to wake it, may take
+# minutes (the runtime allows 600 s), after waiting for a starting machine.
+HIBERNATION_TIMEOUT = 600.0 + SERVER_MARGIN
 # How often a snapshot being saved is asked about; its progress moves about this fast.
 SNAPSHOT_POLL_S = 0.25
 
@@ -139,7 +142,8 @@ class AsyncBoxd:
     """A client of one boxd daemon.
 
     ``api_key`` defaults to ``BOXD_API_KEY``, ``base_url`` to ``BOXD_URL`` (``http(s)://``
-    or ``unix://PATH``). With neither URL, the client uses the local daemon of
+    or ``unix://PATH``). With neither URL, the client uses, inside a boxd machine, the
+    daemon that runs the machine and the machine's key; elsewhere the local daemon of
     ``BOXD_HOME`` (starting it if needed) and, with no key given, its local key.
     """
 
@@ -191,10 +195,13 @@ class AsyncBoxd:
         headers = {"user-agent": f"boxd-python/{__version__}"}
         if key:
             headers["authorization"] = f"Bearer {key}"
+        auth = KeyFileAuth(endpoint.key_file) if endpoint.key_file is not None and not key else None
         transport = self._transport or httpx.AsyncHTTPTransport(
             uds=None if endpoint.uds is None else str(endpoint.uds)
         )
-        return httpx.AsyncClient(base_url=endpoint.base_url, headers=headers, timeout=self.timeout, transport=transport)
+        return httpx.AsyncClient(
+            base_url=endpoint.base_url, headers=headers, auth=auth, timeout=self.timeout, transport=transport
+        )
 
     def _unreachable(self, error: httpx.TransportError) -> DaemonUnavailable:
         where = self.endpoint.uds or self.endpoint.base_url
@@ -301,18 +308,34 @@ class AsyncMachines:
         disk_gib: int = 4,
         isolated: bool = False,
         from_snapshot: str | None = None,
+        suspend_after_s: float | None = None,
+        hibernate_after_s: float | None = None,
+        http_port: int = 8080,
+        public: bool = False,
     ) -> Machine:
         """Start a machine; it is ``starting`` until ``wait_until_ready`` returns.
 
         With ``from_snapshot`` it starts at that snapshot's instant, and takes its size
         and isolation from the snapshot.
+
+        Idle, it is suspended after ``suspend_after_s`` seconds and hibernated
+        ``hibernate_after_s`` seconds later (None: the daemon's default, 0: never); any
+        use wakes it. Its URL (``Machine.url``) leads to port ``http_port`` in it, and
+        answers without the account's key if ``public``.
         """
         # Validated by the daemon, which owns the rules (some depend on its host).
         body: dict[str, Any] = {
             "name": name, "vcpus": vcpus, "memory_mib": memory_mib, "disk_gib": disk_gib, "isolated": isolated
         }
-        if from_snapshot is not None:  # only when used: a daemon without snapshots refuses unknown fields
-            body["from_snapshot"] = from_snapshot
+        # Each only when used: an older daemon refuses fields it does not know.
+        optional = {
+            "from_snapshot": (from_snapshot, None),
+            "suspend_after_s": (suspend_after_s, None),
+            "hibernate_after_s": (hibernate_after_s, None),
+            "http_port": (http_port, 8080),
+            "public": (public, False),
+        }
+        body.update({field: value for field, (value, default) in optional.items() if value != default})
         timeout = httpx.Timeout(self._client.timeout, read=CREATE_TIMEOUT)
         return await self._client._call(Machine, "POST", "/v1/machines", json=body, timeout=timeout)
 
@@ -328,6 +351,28 @@ class AsyncMachines:
 
     async def delete(self, machine: MachineRef) -> Machine:
         return await self._client._call(Machine, "DELETE", _machine_path(machine))
+
+    async def suspend(self, machine: MachineRef) -> Machine:
+        """Stop the machine's vCPUs, keeping its memory; it is ``paused`` until used or resumed."""
+        return await self._client._call(
+            Machine, "POST", _machine_path(machine, "suspend"), timeout=_waiting_for_ready(self._client.timeout)
+        )
+
+    async def hibernate(self, machine: MachineRef) -> Machine:
+        """Save the machine's whole state to disk and end its process; it is ``stopped``, no
+        longer counts against the quota, and wakes when used or resumed (if the quota allows)."""
+        return await self._client._call(
+            Machine, "POST", _machine_path(machine, "hibernate"),
+            timeout=httpx.Timeout(self._client.timeout, read=HIBERNATION_TIMEOUT),
+        )
+
+    async def resume(self, machine: MachineRef) -> Machine:
+        """Wake a suspended machine (``running`` again), or a hibernated one (``starting``
+        until ``wait_until_ready`` returns); ``QuotaExceeded`` leaves a hibernated one stopped."""
+        return await self._client._call(
+            Machine, "POST", _machine_path(machine, "resume"),
+            timeout=httpx.Timeout(self._client.timeout, read=HIBERNATION_TIMEOUT),
+        )
 
     async def wait_until_ready(self, machine: MachineRef, timeout: float = 120) -> Machine:
         """Return once the machine runs; ``Timeout`` if it does not in time, ``Conflict`` if it failed."""

@@ -1,9 +1,17 @@
 """Where the SDK sends requests, and the local daemon it starts when none answers.
 
 A setting comes from the call's argument, else the environment (``BOXD_URL``,
-``BOXD_API_KEY``). Without a URL the SDK talks to the daemon of ``BOXD_HOME`` over its
-unix socket, starts that daemon in the background if it does not answer, and uses its
-local key when no key is given.
+``BOXD_API_KEY``). Without a URL:
+
+- inside a boxd machine, known by the key file the daemon writes there each time the
+  machine becomes ready (``/etc/boxd/api-key``; ``BOXD_MACHINE_KEY_FILE`` names another
+  one, for tests), the SDK talks to ``http://127.0.0.1:7345``, where the guest agent
+  carries connections to the daemon, and uses that file's key when no key is given.
+  It reads the file for every request: a fork gets its own key, and a client kept
+  across the fork uses it. No daemon is started in a machine.
+- elsewhere the SDK talks to the daemon of ``BOXD_HOME`` over its unix socket, starts
+  that daemon in the background if it does not answer, and uses its local key when no
+  key is given.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from boxd.config import boxd_home
+from boxd.config import MACHINE_API_PORT, MACHINE_KEY_PATH, boxd_home
 from boxd.daemon import local_key_path, log_path, socket_path
 from boxd.errors import InvalidInput
 from boxd.errors import DaemonUnavailable
@@ -28,6 +36,7 @@ from boxd.errors import DaemonUnavailable
 UNIX_SCHEME = "unix://"
 # The host part is ignored over a unix socket; a fixed one keeps URLs well formed.
 _UNIX_BASE_URL = "http://boxd"
+MACHINE_BASE_URL = f"http://127.0.0.1:{MACHINE_API_PORT}"
 
 
 @dataclass(frozen=True)
@@ -36,12 +45,21 @@ class Endpoint:
     uds: Path | None = None
     # Set when this is the daemon of a BOXD_HOME: the SDK may start it and use its local key.
     home: Path | None = None
+    # Set inside a machine: the key to use when none is given, read for each request.
+    key_file: Path | None = None
+
+
+def machine_key_path() -> Path:
+    return Path(os.environ.get("BOXD_MACHINE_KEY_FILE") or MACHINE_KEY_PATH)
 
 
 def resolve_endpoint(base_url: str | None) -> Endpoint:
     url = base_url or os.environ.get("BOXD_URL")
     home = boxd_home()
     if not url:
+        key_file = machine_key_path()
+        if key_file.is_file():
+            return Endpoint(MACHINE_BASE_URL, key_file=key_file)
         return Endpoint(_UNIX_BASE_URL, uds=socket_path(home), home=home)
     if url.startswith(UNIX_SCHEME):
         path = Path(url[len(UNIX_SCHEME) :]).expanduser().resolve()
@@ -51,11 +69,28 @@ def resolve_endpoint(base_url: str | None) -> Endpoint:
     raise InvalidInput(f"base_url: expected http://, https:// or unix://PATH, got {url!r}", field="base_url")
 
 
-def local_key(home: Path) -> str | None:
+def _read_key(path: Path) -> str | None:
     try:
-        return local_key_path(home).read_text().strip() or None
+        return path.read_text().strip() or None
     except FileNotFoundError:
         return None
+
+
+def local_key(home: Path) -> str | None:
+    return _read_key(local_key_path(home))
+
+
+class KeyFileAuth(httpx.Auth):
+    """A bearer key read from a file for each request: the daemon may replace it (in a fork)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def auth_flow(self, request: httpx.Request):
+        key = _read_key(self.path)
+        if key:
+            request.headers["authorization"] = f"Bearer {key}"
+        yield request
 
 
 async def _answers(probe: httpx.AsyncClient) -> bool:
