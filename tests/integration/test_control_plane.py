@@ -9,12 +9,14 @@ runtime, so that a dead daemon cannot leak one. A failed test prints the daemon'
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -298,3 +300,93 @@ def test_checkpoints_and_versioned_snapshots_through_the_cli_and_a_daemon_restar
     daemon.cli("snapshots", "delete", "env")
     assert "env@" not in daemon.cli("snapshots", "list").stdout
     assert not any((daemon.home / "snapshots").iterdir())
+
+
+# The SDK and what it imports; a machine's image has python3 and nothing of ours.
+SDK_PACKAGES = (
+    "boxd", "pydantic", "pydantic_core", "annotated_types", "typing_extensions", "typing_inspection",
+    "httpx", "httpcore", "h11", "anyio", "sniffio", "idna", "certifi",
+)
+
+INSIDE = """
+from boxd import Boxd
+boxd = Boxd()  # no URL, no key: inside a machine it finds both by itself
+print(" ".join(sorted(m.name for m in boxd.machines.list())))
+child = boxd.machines.fork("trainer", "from-inside")
+boxd.machines.wait_until_ready(child, timeout=120)
+print(child.name, boxd.machines.exec(child, "cat /home/boxd/mark").stdout.strip())
+"""
+
+
+def sdk_bundle(destination: Path) -> Path:
+    """This host's copy of the SDK and its dependencies, as a tarball to unpack in a guest."""
+    with tarfile.open(destination, "w:gz") as bundle:
+        for name in SDK_PACKAGES:
+            origin = Path(importlib.import_module(name).__file__)
+            if origin.name == "__init__.py":
+                bundle.add(origin.parent, arcname=name, filter=lambda m: None if "__pycache__" in m.name else m)
+            else:
+                bundle.add(origin, arcname=origin.name)
+    return destination
+
+
+def test_the_sdk_inside_a_machine_needs_no_key_and_its_key_dies_with_the_machine(daemon, tmp_path):
+    with daemon.sdk() as boxd:
+        boxd.machines.wait_until_ready(boxd.machines.new("trainer"), timeout=180)
+        boxd.machines.files.upload("trainer", "/home/boxd/sdk.tgz", sdk_bundle(tmp_path / "sdk.tgz").read_bytes())
+        boxd.machines.files.upload("trainer", "/home/boxd/inside.py", INSIDE)
+        boxd.machines.exec("trainer", "mkdir -p /home/boxd/sdk && tar -xzf /home/boxd/sdk.tgz -C /home/boxd/sdk")
+        boxd.machines.exec("trainer", "echo inherited > /home/boxd/mark")
+
+        result = boxd.machines.exec("trainer", "PYTHONPATH=/home/boxd/sdk python3 /home/boxd/inside.py", timeout=300)
+        assert result.exit_code == 0, result.stderr
+        listed, forked = result.stdout.strip().splitlines()
+        assert "trainer" in listed.split()
+        assert forked == "from-inside inherited"
+        assert boxd.machines.get("from-inside").parent == boxd.machines.get("trainer").id
+
+        # the fork got a key of its own; the trainer's is revoked with the trainer
+        trainer_key = boxd.machines.exec("trainer", "cat /etc/boxd/api-key").stdout.strip()
+        fork_key = boxd.machines.exec("from-inside", "cat /etc/boxd/api-key").stdout.strip()
+        assert trainer_key.startswith("boxd_") and fork_key.startswith("boxd_") and trainer_key != fork_key
+        with daemon.sdk(trainer_key) as as_trainer:
+            assert "trainer" in [m.name for m in as_trainer.machines.list()]
+        boxd.machines.delete("trainer")
+        with daemon.sdk(trainer_key) as as_trainer, pytest.raises(AuthError):
+            as_trainer.machines.list()
+        boxd.machines.delete("from-inside")
+
+
+def test_a_machine_url_and_its_sleep_states_through_the_daemon(daemon):
+    daemon.cli("machine", "new", "web")
+    daemon.cli(
+        "machine", "exec", "web", "--",
+        "cd /home/boxd && echo hi > index.txt && (nohup python3 -m http.server 8080 >/dev/null 2>&1 &)",
+    )
+    key = daemon.local_key()
+
+    def visit(with_key: bool = True) -> httpx.Response:
+        headers = {"host": f"web.localhost:{daemon.port}"}
+        if with_key:
+            headers["authorization"] = f"Bearer {key}"
+        return httpx.get(f"{daemon.url}/index.txt", headers=headers, timeout=120)
+
+    deadline = time.monotonic() + 60
+    while visit().status_code != 200:  # the server in the guest is still starting
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    assert visit().text == "hi\n"
+    assert visit(with_key=False).status_code == 401
+    with daemon.sdk() as boxd:
+        assert boxd.machines.get("web").url == f"http://web.localhost:{daemon.port}/"
+
+        boxd.machines.suspend("web")
+        assert boxd.machines.get("web").state.value == "paused"
+        assert visit().text == "hi\n"  # the request woke it
+        assert boxd.machines.get("web").state.value == "running"
+
+        boxd.machines.hibernate("web")
+        assert "stopped" in daemon.cli("machine", "list").stdout
+        assert boxd.machines.exec("web", "cat /home/boxd/index.txt").stdout == "hi\n"  # woke again
+        assert visit().text == "hi\n"  # and its server with it, same process
+        boxd.machines.delete("web")
