@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 
-from boxd.errors import Conflict, InvalidInput, NotFound, VMError
+from boxd.errors import Conflict, HostError, InvalidInput, NotFound, VMError
 from boxd.runtime.accel import detect_accelerator
 from boxd.runtime.agent_client import fault_to_error
+from boxd.runtime.interface import VMSpec
+from boxd.runtime.local import LocalRuntime
 from boxd.runtime.qemu import Launch
 
 
@@ -99,3 +102,13 @@ def test_agent_faults_name_the_field():
     assert fault_to_error(fault).field == "cwd"
     # the field comes from the agent's answer, never from its wording
     assert fault_to_error({"code": "invalid_input", "message": "cwd: no such directory '/x'"}).field is None
+
+
+def test_a_disk_larger_than_the_host_can_hold_is_refused_naming_the_field(tmp_path, monkeypatch):
+    monkeypatch.setenv("BOXD_SHM", str(tmp_path / "shm"))
+    runtime = LocalRuntime(tmp_path / "home")
+    free_gib = shutil.disk_usage(runtime.layers_dir).free // 1024**3
+    runtime._check_room(VMSpec(image="x", memory_mib=128, disk_gib=max(1, free_gib - 1)))
+    with pytest.raises(HostError) as refused:
+        runtime._check_room(VMSpec(image="x", memory_mib=128, disk_gib=free_gib + 1))
+    assert refused.value.field == "disk_gib" and "GiB free" in refused.value.message

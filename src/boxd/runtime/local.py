@@ -317,8 +317,15 @@ class LocalRuntime:
                 field="memory_mib",
             )
         disk = os.statvfs(self.layers_dir)
-        if disk.f_bavail * disk.f_frsize < 256 * 1024 * 1024:
+        free_bytes = disk.f_bavail * disk.f_frsize
+        if free_bytes < 256 * 1024 * 1024:
             raise HostError(f"disk: less than 256 MiB free under {self.layers_dir}")
+        if spec.disk_gib * 1024**3 > free_bytes:
+            # Disks are thin, but a machine may fill its own: refuse one the host cannot hold.
+            raise HostError(
+                f"disk_gib: {spec.disk_gib} GiB asked, {free_bytes / 1024**3:.1f} GiB free under {self.layers_dir}",
+                field="disk_gib",
+            )
 
     async def adopt(self, vm_id: str) -> VMInfo:
         path = self._vm_dir(vm_id) / "machine.json"
