@@ -16,3 +16,10 @@ async def plane(tmp_path):
     plane = ControlPlane(tmp_path)
     yield plane
     await plane.close()
+
+
+@pytest.fixture
+async def alice(plane):
+    """An HTTP client with a key of the account alice."""
+    async with plane.http(plane.key_for("alice")) as client:
+        yield client

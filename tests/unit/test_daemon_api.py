@@ -15,12 +15,6 @@ from boxd.errors import VMLaunchFailure
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-async def alice(plane):
-    async with plane.http(plane.key_for("alice")) as client:
-        yield client
-
-
 def error_of(response) -> dict:
     return response.json()["error"]
 

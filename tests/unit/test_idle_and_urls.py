@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from fakes import ControlPlane, FakeRuntime
-from test_daemon_api import alice, error_of, new_machine  # noqa: F401 (alice is a fixture)
+from test_daemon_api import error_of, new_machine
 
 from boxd.daemon import idle
 from boxd.daemon.idle import IdlePolicy

@@ -24,12 +24,6 @@ pytestmark = pytest.mark.anyio
 home = pytest.fixture(short_home)
 
 
-@pytest.fixture
-async def alice(plane):
-    async with plane.http(plane.key_for("alice")) as client:
-        yield client
-
-
 def plane_with(tmp_path, **runtime_options) -> ControlPlane:
     """A control plane whose FakeRuntime is told how to behave (slow or failing saves)."""
     return ControlPlane(tmp_path, FakeRuntime(**runtime_options))

@@ -50,6 +50,7 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, Task, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
+from boxd.durable import fsync_path, sha256_file
 from boxd.config import boxd_home, images_dir
 from boxd.errors import HostError, ImageError, InvalidInput
 
@@ -244,7 +245,7 @@ def build_image(
                 manifest = _manifest(recipe, digest, rootfs_digest, kernel_facts, build_dir, started)
                 (build_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
                 for path in [*build_dir.iterdir(), build_dir]:
-                    _fsync(path)
+                    fsync_path(path)
                 build_dir.chmod(0o755)  # mkdtemp made it private; QEMU may run as another user
                 _replace_dir(build_dir, final)
         except BaseException:
@@ -612,20 +613,6 @@ def _link_or_copy(source: Path, target: Path) -> None:
         shutil.copyfile(source, target)
 
 
-def _fsync(path: Path) -> None:
-    """Flush a file or directory, so a rename after it never publishes half-written data."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256_file(path: Path) -> str:
-    with path.open("rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
-
-
 # --- kernel and initramfs --------------------------------------------------------------
 
 
@@ -823,7 +810,7 @@ def _ensure_rootfs(recipe: ImageRecipe, digest: str, home: Path | None, force: b
                 _remove_tree(root)
                 run(["qemu-img", "convert", "-O", "qcow2", raw, build_dir / "rootfs.qcow2"])
                 (build_dir / "rootfs.qcow2").chmod(0o444)  # a backing file: never written again
-                _fsync(build_dir / "rootfs.qcow2")
+                fsync_path(build_dir / "rootfs.qcow2")
                 (build_dir / "rootfs.qcow2").replace(qcow2)
         finally:
             _remove_tree(build_dir)
@@ -913,7 +900,7 @@ def _manifest(
     host_ca = _host_ca_bundle() if recipe.trust_host_ca else None
     files = {}
     for path in sorted(build_dir.iterdir()):
-        files[path.name] = {"sha256": _sha256_file(path), "bytes": path.stat().st_size}
+        files[path.name] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
     return {
         "format": MANIFEST_FORMAT,
         "digest": digest,

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from boxd.config import MACHINE_API_PORT, boxd_home, shm_dir, vms_dir
+from boxd.durable import fsync_path
 from boxd.errors import (
     AgentUnavailable,
     BoxdError,
@@ -48,7 +49,6 @@ from boxd.runtime.snapshots import (
     Progress,
     SnapshotManifest,
     check_usable,
-    fsync_path,
     read_manifest,
     remove_partials,
     remove_snapshot,

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from boxd.durable import fsync_path, sha256_file
 from boxd.errors import HostError, NotFound, SnapshotUnusable
 from boxd.runtime.qemu import MACHINE_TYPE, qemu_binary, run_tool
 
@@ -65,22 +66,6 @@ def qemu_version() -> str:
 
 def _digest_of(manifest: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def fsync_path(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def zstd_binary() -> str:
@@ -148,7 +133,7 @@ async def write_snapshot(
         files = {}
         for name in ("ram.zst", "state.zst", "disk.qcow2"):
             path = partial / name
-            files[name] = {"sha256": await asyncio.to_thread(_sha256_file, path), "size": path.stat().st_size}
+            files[name] = {"sha256": await asyncio.to_thread(sha256_file, path), "size": path.stat().st_size}
         manifest = {
             "format": FORMAT,
             "qemu": qemu_version(),
@@ -216,7 +201,7 @@ def verify_files(root: Path, manifest: SnapshotManifest) -> None:
             size = path.stat().st_size
         except FileNotFoundError:
             raise SnapshotUnusable(f"snapshot {short}: {name} is missing") from None
-        if size != entry["size"] or _sha256_file(path) != entry["sha256"]:
+        if size != entry["size"] or sha256_file(path) != entry["sha256"]:
             raise SnapshotUnusable(f"snapshot {short}: {name} is corrupt (its SHA-256 does not match the manifest)")
 
 
