@@ -35,6 +35,7 @@ import time
 from typing import Any, Self
 
 from boxd.runtime.interface import VMState
+from boxd.runtime.local import LocalRuntime
 from boxd.runtime.qemu import Monitor, process_alive, read_pid
 
 from _common import (
@@ -108,36 +109,54 @@ SUM = (
 ROTATE = "touch /tmp/rotate; for i in $(seq 600); do [ -e /tmp/rotate ] || break; sleep 0.05; done"
 
 
-class QmpLog:
-    """Every QMP command the runtime sends, timed from outside it.
+class Calls:
+    """What the runtime does inside the calls timed, timed from outside it.
 
-    ``Monitor.execute`` is wrapped in the bench's own process for the run (one more
-    coroutine call per command, a microsecond or two); the runtime's code is not
-    changed. ``events`` holds (begin, end, machine, command), by ``time.perf_counter``.
+    ``Monitor.execute`` (every QMP command) and the runtime's ``_save`` (the write of a
+    machine.json) are wrapped in the bench's own process for the run, one more function
+    call each (a microsecond or two); the runtime's code is not changed. ``events`` holds
+    (begin, end, machine, what), by ``time.perf_counter``; ``what`` is the QMP command or
+    "machine.json".
     """
 
-    def __init__(self) -> None:
+    def __init__(self, runtime: LocalRuntime) -> None:
+        self.runtime = runtime
         self.events: list[tuple[float, float, str, str]] = []
 
     def __enter__(self) -> Self:
-        original = self._original = Monitor.execute
         events = self.events
+        execute = self._execute = Monitor.execute
+        save = self.runtime._save
 
-        async def execute(monitor: Monitor, command: str, arguments: dict[str, Any] | None = None) -> Any:
+        async def timed_execute(monitor: Monitor, command: str, arguments: dict[str, Any] | None = None) -> Any:
             begin = time.perf_counter()
             try:
-                return await original(monitor, command, arguments)
+                return await execute(monitor, command, arguments)
             finally:
                 events.append((begin, time.perf_counter(), monitor.name, command))
 
-        Monitor.execute = execute  # type: ignore[method-assign]
+        def timed_save(machine: Any) -> None:
+            begin = time.perf_counter()
+            try:
+                save(machine)
+            finally:
+                events.append((begin, time.perf_counter(), machine.id, "machine.json"))
+
+        Monitor.execute = timed_execute  # type: ignore[method-assign]
+        self.runtime._save = timed_save  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        Monitor.execute = self._original  # type: ignore[method-assign]
+        Monitor.execute = self._execute  # type: ignore[method-assign]
+        del self.runtime._save
 
     def between(self, vm_id: str, begin: float, end: float) -> list[tuple[float, float, str, str]]:
         return [e for e in self.events if e[2] == vm_id and begin <= e[0] <= end]
+
+    def took(self, vm_id: str, begin: float, end: float, what: str) -> float | None:
+        """How long the last ``what`` between ``begin`` and ``end`` took."""
+        found = [e for e in self.between(vm_id, begin, end) if e[3] == what]
+        return found[-1][1] - found[-1][0] if found else None
 
 
 def fine(seconds: float | None) -> str:
@@ -156,10 +175,10 @@ async def _one(data: bytes):
 
 
 class IdleBench:
-    def __init__(self, bench: Bench, qmp: QmpLog) -> None:
+    def __init__(self, bench: Bench, calls: Calls) -> None:
         self.bench = bench
         self.runtime = bench.runtime
-        self.qmp = qmp
+        self.calls = calls
         self.tag = os.getpid() % 10000
 
     async def settle(self, seconds: float = 0.2) -> None:
@@ -249,15 +268,20 @@ class IdleBench:
         answered = time.perf_counter()
         status_after = await self.vcpu_status(vm_id)
         state_after = (await runtime.info(vm_id)).state
-        stop = [e for e in self.qmp.between(vm_id, started, suspended) if e[3] == "stop"]
-        cont = [e for e in self.qmp.between(vm_id, woke, running) if e[3] == "cont"]
         token = await self.token(vm_id)
+        stop = self.calls.took(vm_id, started, suspended, "stop")
+        stop_save = self.calls.took(vm_id, started, suspended, "machine.json")
+        cont = self.calls.took(vm_id, woke, running, "cont")
+        cont_save = self.calls.took(vm_id, woke, running, "machine.json")
         return {
             "suspend_s": suspended - started,
-            "qmp_stop_s": stop[-1][1] - stop[-1][0] if stop else None,
+            "qmp_stop_s": stop,
+            "suspend_save_s": stop_save,
+            "suspend_rest_s": (suspended - started) - stop - stop_save if stop is not None and stop_save is not None else None,
             "resume_s": running - woke,
-            "qmp_cont_s": cont[-1][1] - cont[-1][0] if cont else None,
-            "resume_rest_s": (running - woke) - (cont[-1][1] - cont[-1][0]) if cont else None,
+            "qmp_cont_s": cont,
+            "resume_save_s": cont_save,
+            "resume_rest_s": (running - woke) - cont - cont_save if cont is not None and cont_save is not None else None,
             "agent_s": answered - woke,
             "state_suspended": state_suspended.value,
             "vcpus_suspended": status_suspended,
@@ -303,7 +327,7 @@ class IdleBench:
         token = await self.token(vm_id)
         crc = await self.crc(vm_id)
 
-        saving = self.qmp.between(vm_id, started, hibernated)
+        saving = [e for e in self.calls.between(vm_id, started, hibernated) if e[3] != "machine.json"]
         stop = next((e for e in saving if e[3] == "stop"), None)
         hibernate_phases = {}
         if stop is not None and saving:
@@ -312,7 +336,7 @@ class IdleBench:
                 "save (migrate until completed)": saving[-1][1] - stop[1],
                 "fsync, QEMU ended, run folder removed": hibernated - saving[-1][1],
             }
-        loading = self.qmp.between(vm_id, woke, running)
+        loading = self.calls.between(vm_id, woke, running)
         incoming = next((e for e in loading if e[3] == "migrate-incoming"), None)
         cont = next((e for e in loading if e[3] == "cont"), None)
         wake_phases = {}
@@ -371,8 +395,8 @@ async def main(args) -> None:
         runtime = bench.runtime
         report.host = host_facts(runtime)
         results = report.results
-        with QmpLog() as qmp:
-            ib = IdleBench(bench, qmp)
+        with Calls(runtime) as calls:
+            ib = IdleBench(bench, calls)
             tag = ib.tag
 
             # -- baseline: fresh boots; the last one stays and idles ---------------------
@@ -426,13 +450,22 @@ async def main(args) -> None:
                     await ib.exec_true(vm)
                     trips.append(time.perf_counter() - started)
             results["exec_true_running_s"] = summary(trips)
+            # QMP round trip of a command that changes nothing: the floor of "cont" and "stop".
+            monitor = await runtime._monitor(vm)
+            queries = []
+            for _ in range(runs + 3):
+                started = time.perf_counter()
+                await monitor.execute("query-status")
+                queries.append(time.perf_counter() - started)
+            queries = queries[3:]
+            results["qmp_query_status_running_s"] = summary(queries)
 
             # -- suspend and wake ------------------------------------------------------
-            # One unrecorded cycle first: the runtime connects to the machine's QMP socket
-            # on the first command it sends, and keeps the connection.
+            # One unrecorded cycle first (the QMP connection was opened just above, and is
+            # kept by the runtime).
             warm_up = await ib.suspend_cycle(vm, token, args.hold)
             results["suspend_warm_up"] = warm_up
-            console.print(f"suspend warm-up (QMP connect in it): suspend {fine(warm_up['suspend_s'])}, "
+            console.print(f"suspend warm-up (unrecorded): suspend {fine(warm_up['suspend_s'])}, "
                           f"resume {fine(warm_up['resume_s'])}")
             cycles = []
             with console.status(f"{runs} x suspend, {args.hold:g} s stopped, resume"):
@@ -455,12 +488,15 @@ async def main(args) -> None:
             results["suspend"] = {
                 "suspend_s": summary(col("suspend_s", cycles)),
                 "qmp_stop_s": summary(col("qmp_stop_s", cycles)),
+                "save_s": summary(col("suspend_save_s", cycles)),
+                "rest_s": summary(col("suspend_rest_s", cycles)),
             }
             results["wake_suspended"] = {
                 "hold_s": args.hold,
                 "resume_s": summary(resume_values),
                 "qmp_cont_s": summary(col("qmp_cont_s", cycles)),
-                "resume_rest_s": summary(col("resume_rest_s", cycles)),
+                "save_s": summary(col("resume_save_s", cycles)),
+                "rest_s": summary(col("resume_rest_s", cycles)),
                 "agent_s": summary(col("agent_s", cycles)),
                 "token_mismatches": suspend_mismatches,
                 "not_paused_then_running": not_paused_running,
@@ -473,11 +509,15 @@ async def main(args) -> None:
                 [
                     _row("wake: resume() until it returns (vCPUs run)", resume_values),
                     _row("  of which QMP cont round trip", col("qmp_cont_s", cycles)),
-                    _row("  of which the rest (machine.json, clock-set task queued)", col("resume_rest_s", cycles)),
+                    _row("  of which machine.json written", col("resume_save_s", cycles)),
+                    _row("  of which the rest (monitor lookup, clock-set task queued)", col("resume_rest_s", cycles)),
                     _row("resume() + exec true answered", col("agent_s", cycles)),
-                    _row("exec true on the running machine (baseline)", trips),
                     _row("suspend()", col("suspend_s", cycles)),
                     _row("  of which QMP stop round trip", col("qmp_stop_s", cycles)),
+                    _row("  of which machine.json written", col("suspend_save_s", cycles)),
+                    _row("  of which the rest (process check, monitor lookup)", col("suspend_rest_s", cycles)),
+                    _row("baseline, running machine: QMP query-status round trip", queries),
+                    _row("baseline, running machine: exec true", trips),
                     ["paused while suspended, running after (info + query-status)",
                      f"{runs - not_paused_running}/{runs}", "", "", ""],
                     ["token in the process's memory unchanged", f"{runs - suspend_mismatches}/{runs}", "",
@@ -552,21 +592,39 @@ async def main(args) -> None:
             )
 
             # -- memory ----------------------------------------------------------------
-            def mem(side: str, path: str) -> float:
+            # The first hibernation is of the machine as booted; every later one is of a
+            # machine woken from hibernation, whose RAM file the state load wrote whole.
+            def mem(samples: list[dict[str, Any]], side: str, path: str) -> float:
                 values = []
-                for n in naps:
+                for n in samples:
                     value: Any = n[side]
                     for key in path.split("."):
                         value = value.get(key, 0) if isinstance(value, dict) else 0
                     values.append(value)
                 return median(values)
 
-            held_before, held_after = mem("memory_before", "held_bytes"), mem("memory_after", "held_bytes")
+            first, later = naps[:1], naps[1:]
+            columns = [("before: 1st (as booted)", first, "memory_before")]
+            if later:
+                columns.append((f"before: later {len(later)} (woken, median)", later, "memory_before"))
+            columns.append((f"after (median of {hibernations})", naps, "memory_after"))
+
+            def mem_row(label: str, path: str) -> list[str]:
+                return [label, *(mib(mem(group, side, path)) for _, group, side in columns)]
+
+            def parts(group: list[dict[str, Any]], side: str) -> str:
+                return " / ".join(mib(mem(group, side, f"qemu.{k}")) for k in ("Pss_Anon", "Pss_File", "Pss_Shmem"))
+
+            held_first = mem(first, "memory_before", "held_bytes")
+            held_before = mem(naps, "memory_before", "held_bytes")
+            held_after = mem(naps, "memory_after", "held_bytes")
             freed = median(col("freed_bytes", naps))
             all_freed = all(n["all_freed"] for n in naps)
             file_p50 = median(col("file_bytes", naps))
             available_rise = median([n["mem_available_after"] - n["mem_available_before"] for n in naps])
             results["memory"] = {
+                "held_before_first_bytes": held_first,
+                "held_before_later_bytes": mem(later, "memory_before", "held_bytes") if later else None,
                 "held_before_bytes": held_before,
                 "held_after_bytes": held_after,
                 "freed_bytes": freed,
@@ -575,37 +633,32 @@ async def main(args) -> None:
                 "mem_available_rise_bytes": available_rise,
                 "guest_used_bytes": guest["used"],
             }
-
-            def parts(side: str) -> str:
-                return " / ".join(mib(mem(side, f"qemu.{k}")) for k in ("Pss_Anon", "Pss_File", "Pss_Shmem"))
-
+            blank = [""] * (len(columns) - 1)
             report.table(
-                f"Memory the machine holds on the host, right before and right after hibernate() "
-                f"(median of {hibernations})",
-                ["metric", "before", "after"],
+                "Memory the machine holds on the host, right before and right after hibernate()",
+                ["metric", *(label for label, _, _ in columns)],
                 [
-                    ["QEMU PSS (smaps_rollup)", mib(mem("memory_before", "qemu.Pss")),
-                     mib(mem("memory_after", "qemu.Pss"))],
-                    ["  anon / file / shmem (the RAM file mapped)", parts("memory_before"), parts("memory_after")],
-                    ["passt PSS", mib(mem("memory_before", "passt.Pss")), mib(mem("memory_after", "passt.Pss"))],
-                    ["RAM file on tmpfs (allocated blocks)", mib(mem("memory_before", "ram_file_bytes")),
-                     mib(mem("memory_after", "ram_file_bytes"))],
-                    ["run folder on tmpfs (RAM file, sockets, pidfiles)", mib(mem("memory_before", "run_dir_bytes")),
-                     mib(mem("memory_after", "run_dir_bytes"))],
-                    ["held: QEMU PSS - shmem + passt PSS + run folder", mib(held_before), mib(held_after)],
+                    mem_row("QEMU PSS (smaps_rollup)", "qemu.Pss"),
+                    ["  anon / file / shmem (the RAM file mapped)", *(parts(g, side) for _, g, side in columns)],
+                    mem_row("passt PSS", "passt.Pss"),
+                    mem_row("RAM file on tmpfs (allocated blocks)", "ram_file_bytes"),
+                    mem_row("run folder on tmpfs (RAM file, sockets, pidfiles)", "run_dir_bytes"),
+                    mem_row("held: QEMU PSS - shmem + passt PSS + run folder", "held_bytes"),
                     ["processes alive (QEMU, passt)",
-                     f"{sum(n['memory_before']['qemu_alive'] for n in naps)}, "
-                     f"{sum(n['memory_before']['passt_alive'] for n in naps)} of {hibernations}",
-                     f"{sum(n['memory_after']['qemu_alive'] for n in naps)}, "
-                     f"{sum(n['memory_after']['passt_alive'] for n in naps)} of {hibernations}"],
-                    ["hibernation.zst on disk (size / allocated)", "-",
+                     *(f"{sum(n[side]['qemu_alive'] for n in g)}, {sum(n[side]['passt_alive'] for n in g)} of {len(g)}"
+                       for _, g, side in columns)],
+                    ["hibernation.zst on disk (size / allocated)", *blank,
                      f"{mib(file_p50)} / {mib(median(col('file_allocated_bytes', naps)))}"],
-                    [f"  / guest RAM ({MEMORY_MIB} MiB); / RAM used in the guest ({mib(guest['used'])})", "-",
+                    [f"  / guest RAM ({MEMORY_MIB} MiB); / RAM used in the guest ({mib(guest['used'])})", *blank,
                      f"{file_p50 / (MEMORY_MIB * MiB) * 100:.0f} %; {file_p50 / guest['used'] * 100:.0f} %"],
-                    ["host MemAvailable rose by (0.5 s after; noisy, shared host)", "",
-                     mib(available_rise)],
+                    ["host MemAvailable rose by (0.5 s after; noisy, shared host)", *blank, mib(available_rise)],
                 ],
             )
+            if later and mem(later, "memory_before", "ram_file_bytes") > mem(first, "memory_before", "ram_file_bytes"):
+                report.note("a machine woken from hibernation holds more of its RAM file on tmpfs than it did as "
+                            f"booted ({mib(mem(later, 'memory_before', 'ram_file_bytes'))} against "
+                            f"{mib(mem(first, 'memory_before', 'ram_file_bytes'))}): after the saved state is loaded "
+                            "every page of the file is allocated, zero pages included")
             report.note("each wake from hibernation reads hibernation.zst just written, so from the host's "
                         "page cache: a machine hibernated long ago may read it from disk")
 
@@ -626,7 +679,8 @@ async def main(args) -> None:
         )
         report.target(
             "hibernation frees the machine's memory",
-            f"{mib(held_before)} -> {mib(held_after)} (QEMU, passt and RAM file gone in "
+            f"{mib(held_before)} -> {mib(held_after)} (median; as booted {mib(held_first)}; QEMU, passt and "
+            f"RAM file gone in "
             f"{sum(n['all_freed'] for n in naps)}/{hibernations}); hibernation.zst {mib(file_p50)} on disk",
             "0 after", all_freed,
         )

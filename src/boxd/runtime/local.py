@@ -966,8 +966,9 @@ class LocalRuntime:
         elif machine.suspended:
             await (await self._monitor(vm_id)).execute("cont")
             machine.suspended = False
-            self._save(machine)
-            # Its guest clock stood still meanwhile; the caller need not wait for that.
+            # Neither the record (a stale "suspended" only makes a later resume send a
+            # harmless cont) nor the guest clock, which stood still, is worth a wake's wait.
+            asyncio.get_running_loop().call_soon(self._save, machine)
             self._in_background(self._agent(vm_id).set_time())
 
     async def _wake(self, machine: Machine) -> None:
