@@ -656,6 +656,7 @@ class LocalRuntime:
             disk=template_disk,
             console_log=folder / "template.console",
             unplugged=True,
+            forward=None,  # the source's URL port is the source's (slirp would try to bind it again)
         )
         template_monitor = Monitor(template.qmp_socket, template.name)
         stream = template.run_dir / "migrate.sock"
