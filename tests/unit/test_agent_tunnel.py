@@ -66,7 +66,7 @@ async def tunneled(agent_socket, serve=echo, connect=None):
     """A connected client serving tunnels from a fresh guest port to a ``Target`` (or to ``connect``)."""
     target = await Target(serve).start()
     client = AgentClient(agent_socket.path, name="t")
-    await client.connect(5)
+    await client.connect(30)
     port = free_port()
     await client.serve_tunnels(port, connect or target.connect)
     try:
@@ -252,7 +252,7 @@ def test_a_new_host_connection_closes_the_tunnels_of_the_last_one(agent_socket):
         # The client closed: its host connections close at once, the guest's with the next host.
         await asyncio.wait_for(target.ended_event.wait(), WAIT)
         fresh = AgentClient(agent_socket.path, name="t")
-        await fresh.connect(5)
+        await fresh.connect(30)
         closed_by_reset = await asyncio.wait_for(reader.read(), WAIT)
         # A client that serves no tunnels (a fork's, before serve_tunnels) closes new connections.
         late_reader, late_writer = await guest_connection(port)
