@@ -290,6 +290,13 @@ class FakeRuntime:
     async def fs(self, vm_id: str, op: str, **fields: Any) -> dict[str, Any]:
         raise NotImplementedError(op)
 
+    async def attach(self, vm_id: str, pid: int) -> AsyncIterator[ExecEvent]:
+        raise NotImplementedError("attach")
+        yield  # an async generator, like the real one
+
+    async def process(self, vm_id: str, op: str, **fields: Any) -> dict[str, Any]:
+        raise NotImplementedError(op)
+
     async def delete(self, vm_id: str) -> None:
         self._vm(vm_id)
         del self.host.vms[vm_id]

@@ -7,6 +7,7 @@ is tested here without a VM; the VM tests then show the same code inside a guest
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import json
 import os
@@ -248,3 +249,76 @@ def test_client_reconnects_after_losing_the_connection(agent_socket):
         return stdout
 
     assert run(scenario()) == b"again\n"
+
+
+def test_a_process_is_driven_by_pid_and_followed_by_a_second_listener(agent_socket):
+    """What the E2B API needs: stdin, signals and a second stream for a running command."""
+
+    async def scenario():
+        client = AgentClient(agent_socket.path, name="t")
+        await client.connect(5)
+        first = client.exec(argv=["cat"], keep_stdin=True, tag="reader")
+        started = await anext(first)
+        pid = started.pid
+        listed = (await client.call("processes"))["processes"]
+        follower = client.attach(pid)
+        assert (await anext(follower)).pid == pid
+        await client.call("stdin", pid=pid, data=base64.b64encode(b"hello\n").decode())
+        echoed = await anext(follower)
+        await client.call("close_stdin", pid=pid)
+        rest = [event async for event in follower]
+        own = [event async for event in first]
+        with pytest.raises(NotFound) as missing:
+            await client.call("signal", pid=pid, signal=9)
+        await client.close()
+        return pid, listed, echoed, rest, own, missing.value
+
+    pid, listed, echoed, rest, own, missing = run(scenario())
+    assert [(p["pid"], p["tag"], p["argv"]) for p in listed] == [(pid, "reader", ["cat"])]
+    assert echoed.kind == "stdout" and echoed.data == b"hello\n"
+    assert rest[-1].kind == "exit" and rest[-1].exit_code == 0
+    # The exec's own stream saw the same output and the same end.
+    assert b"".join(e.data for e in own if e.kind == "stdout") == b"hello\n" and own[-1].exit_code == 0
+    assert "pid" in missing.message
+
+
+def test_a_signal_by_pid_ends_a_background_command(agent_socket):
+    async def scenario():
+        client = AgentClient(agent_socket.path, name="t")
+        await client.connect(5)
+        stream = client.exec(shell="sleep 30")
+        pid = (await anext(stream)).pid
+        await client.call("signal", pid=pid, signal=9)
+        events = [event async for event in stream]
+        await client.close()
+        return events[-1]
+
+    end = run(scenario())
+    assert end.kind == "exit" and end.signal == 9 and end.exit_code == 137
+
+
+def test_a_command_in_a_terminal_sees_a_tty_of_its_size_and_can_be_resized(agent_socket):
+    async def scenario():
+        client = AgentClient(agent_socket.path, name="t")
+        await client.connect(5)
+        script = "stty size; read line; stty size; echo got:$line"
+        stream = client.exec(argv=["bash", "-c", script], pty={"rows": 30, "cols": 100})
+        pid = (await anext(stream)).pid
+        output = b""
+        while b"30 100" not in output:
+            output += (await anext(stream)).data
+        await client.call("resize", pid=pid, pty={"rows": 40, "cols": 120})
+        await client.call("stdin", pid=pid, data=base64.b64encode(b"abc\n").decode())
+        events = [event async for event in stream]
+        plain = client.exec(shell="sleep 5")
+        plain_pid = (await anext(plain)).pid
+        with pytest.raises(InvalidInput):
+            await client.call("resize", pid=plain_pid, pty={"rows": 1, "cols": 1})
+        await client.call("signal", pid=plain_pid, signal=9)
+        assert [event async for event in plain][-1].signal == 9
+        await client.close()
+        return output + b"".join(e.data for e in events if e.kind == "pty"), events[-1], {e.kind for e in events}
+
+    output, end, kinds = run(scenario())
+    assert b"40 120" in output and b"got:abc" in output
+    assert end.exit_code == 0 and "stdout" not in kinds

@@ -5,7 +5,10 @@ port open for its whole life: closing and reopening a virtio port loses input.
 
 Requests (host -> guest) are ``{"id": ..., "op": ..., ...}``. Replies and events
 (guest -> host) carry the request's id and a ``type``: ``result`` or ``error`` end a
-request; ``started``, ``stdout``, ``stderr`` and ``exit`` belong to an ``exec``. Bytes
+request; ``started``, ``stdout``, ``stderr`` (or ``pty``) and ``exit`` belong to an ``exec``
+and to an ``attach``, which follows a process that is already running under a new id
+(the E2B API reconnects to commands; a fork's host never saw its source's). Processes
+are picked by ``pid`` or by the id of the ``exec`` that started them (``target``). Bytes
 travel base64-encoded so that any output, UTF-8 or not, comes back intact.
 
 Request ids make retries safe: a request whose id was seen before is never run again;
@@ -46,6 +49,7 @@ from __future__ import annotations
 import base64
 import collections
 import errno
+import fcntl
 import glob
 import grp
 import itertools
@@ -57,8 +61,10 @@ import shutil
 import signal
 import socket
 import stat
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 
@@ -177,8 +183,23 @@ def _read_etc_environment() -> dict[str, str]:
     return env
 
 
+def _window_size(pty: dict) -> bytes:
+    try:
+        rows, cols = int(pty.get("rows", 24)), int(pty.get("cols", 80))
+    except (TypeError, ValueError):
+        raise AgentFault("invalid_input", "pty: rows and cols must be numbers", "pty") from None
+    if not (0 < rows < 65536 and 0 < cols < 65536):
+        raise AgentFault("invalid_input", f"pty: rows and cols must be 1-65535, got {rows}x{cols}", "pty")
+    return struct.pack("HHHH", rows, cols, 0, 0)
+
+
+def _take_terminal() -> None:
+    # Runs in the child after setsid(): its stdin, a pty, becomes its controlling terminal.
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
 class Process:
-    """One command started by ``exec``, with its pipes and its own process group."""
+    """One command started by ``exec``, with its pipes (or a pty) and its own process group."""
 
     def __init__(self, agent: "Agent", request_id: str, request: dict) -> None:
         self.agent = agent
@@ -188,39 +209,68 @@ class Process:
         self.account = _account(request.get("user"))
         argv = self._argv(request)
         self.argv = argv
-        env = self._environment(request.get("env") or {})
+        self.extra_env = {str(k): str(v) for k, v in (request.get("env") or {}).items()}
+        env = self._environment(self.extra_env)
         cwd = request.get("cwd") or self.account.pw_dir
         if not os.path.isdir(cwd):
             raise AgentFault("invalid_input", f"cwd: no such directory {cwd!r}", "cwd")
+        self.cwd = cwd
+        # Ids that follow this process besides the exec's own (attach); each gets every event.
+        self.followers: list[str] = []
         stdin_data = request.get("stdin_data")
         self.keep_stdin = bool(request.get("stdin"))
-        want_stdin = self.keep_stdin or stdin_data is not None
+        self.terminal: int | None = None  # the pty's controlling side, when it runs in one
         as_other_user = self.account.pw_uid != os.getuid()
+        identity = {
+            "user": self.account.pw_uid if as_other_user else None,
+            "group": self.account.pw_gid if as_other_user else None,
+            "extra_groups": self._groups() if as_other_user else None,
+        }
         try:
-            self.popen = subprocess.Popen(
-                argv,
-                stdin=subprocess.PIPE if want_stdin else subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                cwd=cwd,
-                env=env,
-                start_new_session=True,  # its own process group, so a timeout kills all of it
-                user=self.account.pw_uid if as_other_user else None,
-                group=self.account.pw_gid if as_other_user else None,
-                extra_groups=self._groups() if as_other_user else None,
-            )
+            if request.get("pty") is not None:
+                self.popen = self._start_in_pty(argv, request["pty"], cwd, env, identity)
+            else:
+                want_stdin = self.keep_stdin or stdin_data is not None
+                self.popen = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.PIPE if want_stdin else subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    cwd=cwd,
+                    env=env,
+                    start_new_session=True,  # its own process group, so a timeout kills all of it
+                    **identity,
+                )
         except FileNotFoundError:
             raise AgentFault("command_not_found", f"command not found: {argv[0]}") from None
         except PermissionError:
             raise AgentFault("permission_denied", f"permission denied: {argv[0]}") from None
         if stdin_data is not None:
-            self.popen.stdin.write(_unb64(stdin_data))
-            self.popen.stdin.flush()
+            self.write_stdin(_unb64(stdin_data))
             if not self.keep_stdin:
-                self.popen.stdin.close()
+                self.close_stdin()
         self.pid = self.popen.pid
         timeout = request.get("timeout")
         self.deadline = time.monotonic() + float(timeout) if timeout else None
+
+    def _start_in_pty(self, argv: list[str], pty: dict, cwd: str, env: dict, identity: dict) -> subprocess.Popen:
+        size = _window_size(pty if isinstance(pty, dict) else {})
+        controller, terminal = os.openpty()
+        fcntl.ioctl(terminal, termios.TIOCSWINSZ, size)
+        env.setdefault("TERM", "xterm-256color")
+        try:
+            popen = subprocess.Popen(
+                argv, stdin=terminal, stdout=terminal, stderr=terminal, cwd=cwd, env=env,
+                start_new_session=True, preexec_fn=_take_terminal, **identity,
+            )
+        except BaseException:
+            os.close(controller)
+            raise
+        finally:
+            os.close(terminal)
+        self.terminal = controller
+        self.keep_stdin = True  # a terminal always takes input
+        return popen
 
     def _argv(self, request: dict) -> list[str]:
         if request.get("argv"):
@@ -241,17 +291,33 @@ class Process:
         env.update(_read_etc_environment())
         env.update(HOME=home, USER=self.account.pw_name, LOGNAME=self.account.pw_name,
                    SHELL=self.account.pw_shell or "/bin/sh")
-        env.update({str(k): str(v) for k, v in extra.items()})
+        env.update(extra)
         return env
+
+    def describe(self) -> dict:
+        return {"id": self.id, "pid": self.pid, "argv": self.argv, "tag": self.tag, "user": self.account.pw_name,
+                "cwd": self.cwd, "env": self.extra_env, "pty": self.terminal is not None}
+
+    def _tell(self, message: dict) -> None:
+        """Send an event of this process to the exec and to everyone following it."""
+        with self.agent.lock:
+            ids = [self.id, *self.followers]
+        for request_id in ids:
+            self.agent.channel.send({**message, "id": request_id})
+
+    def follow(self, request_id: str) -> None:
+        with self.agent.lock:
+            self.followers.append(request_id)
+        self.agent.channel.send({"id": request_id, "type": "started", "pid": self.pid})
 
     def run(self) -> None:
         """Stream the output, enforce the timeout, then report the exit."""
-        channel = self.agent.channel
-        channel.send({"id": self.id, "type": "started", "pid": self.pid})
-        readers = [
-            threading.Thread(target=self._pump, args=(self.popen.stdout, "stdout"), daemon=True),
-            threading.Thread(target=self._pump, args=(self.popen.stderr, "stderr"), daemon=True),
-        ]
+        self._tell({"type": "started", "pid": self.pid})
+        if self.terminal is not None:
+            pumps = [(self.terminal, "pty")]
+        else:
+            pumps = [(self.popen.stdout.fileno(), "stdout"), (self.popen.stderr.fileno(), "stderr")]
+        readers = [threading.Thread(target=self._pump, args=pump, daemon=True) for pump in pumps]
         for reader in readers:
             reader.start()
         while True:
@@ -270,25 +336,25 @@ class Process:
             reader.join(DRAIN_GRACE_S)
         code = self.popen.returncode
         signalled = -code if code < 0 else None
-        message = {
-            "id": self.id,
-            "type": "exit",
-            "exit_code": 128 + signalled if signalled else code,
-            "signal": signalled,
-            "timed_out": self.timed_out,
-        }
-        self.agent.finish(self.id, message)
+        ending = {"type": "exit", "exit_code": 128 + signalled if signalled else code,
+                  "signal": signalled, "timed_out": self.timed_out}
+        with self.agent.lock:
+            followers = list(self.followers)
+        for request_id in followers:
+            self.agent.finish(request_id, {**ending, "id": request_id})
+        self.agent.finish(self.id, {**ending, "id": self.id})
+        if self.terminal is not None:
+            os.close(self.terminal)
 
-    def _pump(self, pipe, stream: str) -> None:
-        fd = pipe.fileno()
+    def _pump(self, fd: int, stream: str) -> None:
         while True:
             try:
                 data = os.read(fd, READ_CHUNK)
-            except OSError:
+            except OSError:  # EIO: a pty whose last user is gone
                 return
             if not data:
                 return
-            self.agent.channel.send({"id": self.id, "type": stream, "data": _b64(data)})
+            self._tell({"type": stream, "data": _b64(data)})
 
     def signal(self, signum: int) -> None:
         try:
@@ -297,6 +363,11 @@ class Process:
             pass
 
     def write_stdin(self, data: bytes) -> None:
+        if self.terminal is not None:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self.terminal, view):]
+            return
         if self.popen.stdin is None or self.popen.stdin.closed:
             raise AgentFault("conflict", "stdin: the process's stdin is closed", "stdin")
         try:
@@ -306,11 +377,18 @@ class Process:
             raise AgentFault("conflict", "stdin: the process no longer reads its stdin", "stdin") from None
 
     def close_stdin(self) -> None:
-        if self.popen.stdin is not None and not self.popen.stdin.closed:
+        if self.terminal is not None:
+            self.write_stdin(b"\x04")  # end of input, as a terminal says it
+        elif self.popen.stdin is not None and not self.popen.stdin.closed:
             try:
                 self.popen.stdin.close()
             except BrokenPipeError:
                 pass
+
+    def resize(self, pty: dict) -> None:
+        if self.terminal is None:
+            raise AgentFault("invalid_input", "pty: the process does not run in a terminal", "pty")
+        fcntl.ioctl(self.terminal, termios.TIOCSWINSZ, _window_size(pty))
 
 
 class Tunnel:
@@ -433,6 +511,9 @@ class Agent:
             if op == "exec":
                 threading.Thread(target=self._exec, args=(request_id, request), daemon=True).start()
                 continue
+            if op == "attach":
+                self._attach(request_id, request)
+                continue
             handler = getattr(self, "op_" + op, None)
             if handler is None:
                 self.finish(request_id, _error(request_id, "unsupported", f"op: unknown operation {op!r}", "op"))
@@ -484,12 +565,26 @@ class Agent:
             self.processes[request_id] = process
         process.run()
 
+    def _attach(self, request_id: str, request: dict) -> None:
+        """Follow a running process: ``started`` now, then its output and its exit."""
+        try:
+            self._process(request).follow(request_id)
+        except AgentFault as fault:
+            self.finish(request_id, _error(request_id, fault.code, str(fault), fault.field))
+
     def _process(self, request: dict) -> Process:
-        target = str(request.get("target"))
+        """The running process a request names, by ``pid`` or by its exec's id (``target``)."""
+        pid = request.get("pid")
         with self.lock:
-            process = self.processes.get(target)
+            if pid is not None:
+                found = [p for p in self.processes.values() if p.pid == pid]
+                process = found[0] if found else None
+                wanted, field = f"pid {pid!r}", "pid"
+            else:
+                process = self.processes.get(str(request.get("target")))
+                wanted, field = repr(request.get("target")), "target"
         if process is None:
-            raise AgentFault("not_found", f"target: no running process {target!r}", "target")
+            raise AgentFault("not_found", f"{field}: no running process {wanted}", field)
         return process
 
     # -- tunnels ----------------------------------------------------------------------
@@ -581,15 +676,14 @@ class Agent:
         self._process(request).signal(signum)
         return {}
 
+    def op_resize(self, request: dict) -> dict:
+        self._process(request).resize(request.get("pty") or {})
+        return {}
+
     def op_processes(self, request: dict) -> dict:
         with self.lock:
             running = list(self.processes.values())
-        return {
-            "processes": [
-                {"id": p.id, "pid": p.pid, "argv": p.argv, "tag": p.tag, "user": p.account.pw_name}
-                for p in running
-            ]
-        }
+        return {"processes": [process.describe() for process in running]}
 
     def op_write_file(self, request: dict) -> dict:
         """One chunk of a file; the file appears, whole, only when the last chunk lands."""

@@ -73,7 +73,7 @@ def fault_to_error(event: dict[str, Any]) -> BoxdError:
 
 @dataclass
 class ExecEvent:
-    """What a running command reports: started, stdout, stderr, then exit."""
+    """What a running command reports: started, stdout and stderr (or pty), then exit."""
 
     kind: str
     data: bytes = b""
@@ -265,14 +265,13 @@ class AgentClient:
         keep_stdin: bool = False,
         timeout: float | None = None,
         tag: str | None = None,
-        started: asyncio.Future | None = None,
+        pty: dict[str, int] | None = None,
     ) -> AsyncIterator[ExecEvent]:
         """Run a command and yield its events as they come, ending with ``exit``.
 
-        ``started``, if given, receives the request id (for stdin and signals) once the
-        guest has started the process.
+        With ``pty`` (``rows``, ``cols``) it runs in a terminal and its output comes as
+        ``pty`` events. Leaving the iteration early leaves the command running.
         """
-        await self._ensure()
         request: dict[str, Any] = {"op": "exec", "env": env or {}, "cwd": cwd, "user": user, "tag": tag}
         if argv is not None:
             request["argv"] = argv
@@ -283,6 +282,18 @@ class AgentClient:
         request["stdin"] = keep_stdin
         if timeout is not None:
             request["timeout"] = timeout
+        if pty is not None:
+            request["pty"] = pty
+        async for event in self._process_events(request, timeout):
+            yield event
+
+    async def attach(self, pid: int) -> AsyncIterator[ExecEvent]:
+        """Follow a running process from now on: ``started``, its output, its exit."""
+        async for event in self._process_events({"op": "attach", "pid": pid}, None):
+            yield event
+
+    async def _process_events(self, request: dict[str, Any], timeout: float | None) -> AsyncIterator[ExecEvent]:
+        await self._ensure()
         request_id = self._new_id()
         pending = self._pending[request_id] = _Pending()
         # The guest enforces the timeout; this margin only catches a guest that died.
@@ -301,10 +312,8 @@ class AgentClient:
                 if kind == "error":
                     raise fault_to_error(message)
                 if kind == "started":
-                    if started is not None and not started.done():
-                        started.set_result(request_id)
                     yield ExecEvent("started", pid=message.get("pid"))
-                elif kind in ("stdout", "stderr"):
+                elif kind in ("stdout", "stderr", "pty"):
                     yield ExecEvent(kind, data=base64.b64decode(message.get("data", "")))
                 elif kind == "exit":
                     yield ExecEvent(
@@ -316,8 +325,6 @@ class AgentClient:
                     return
         finally:
             self._pending.pop(request_id, None)
-            if started is not None and not started.done():
-                started.cancel()
 
     # -- files ------------------------------------------------------------------------
 

@@ -51,7 +51,10 @@ class ExecRequest:
     cwd: str | None = None
     user: str = DEFAULT_USER
     stdin: bytes | None = None
+    keep_stdin: bool = False  # stdin stays open for later input (``process(op="stdin")``)
     timeout: float | None = None
+    tag: str | None = None
+    pty: dict[str, int] | None = None  # rows and cols: run in a terminal
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,13 @@ class Runtime(Protocol):
         """Return once the machine's agent answers; ``Timeout`` otherwise."""
 
     def exec(self, vm_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]: ...
+
+    def attach(self, vm_id: str, pid: int) -> AsyncIterator[ExecEvent]:
+        """Follow a running process from now on (``started``, output, ``exit``)."""
+
+    async def process(self, vm_id: str, op: str, **fields: Any) -> dict[str, Any]:
+        """processes, stdin, close_stdin, signal, resize: the agent's process operations,
+        which name a process by ``pid``."""
 
     async def write_file(
         self, vm_id: str, path: str, chunks: AsyncIterator[bytes], *, mode: int | None = None, user: str = DEFAULT_USER

@@ -467,9 +467,19 @@ class LocalRuntime:
             cwd=request.cwd,
             user=request.user,
             stdin=request.stdin,
+            keep_stdin=request.keep_stdin,
             timeout=request.timeout,
+            tag=request.tag,
+            pty=request.pty,
         ):
             yield event
+
+    async def attach(self, vm_id: str, pid: int) -> AsyncIterator[ExecEvent]:
+        async for event in self._agent(vm_id).attach(pid):
+            yield event
+
+    async def process(self, vm_id: str, op: str, **fields: Any) -> dict[str, Any]:
+        return await self._agent_op(vm_id, op, {"processes", "stdin", "close_stdin", "signal", "resize"}, fields)
 
     async def write_file(
         self, vm_id: str, path: str, chunks: AsyncIterator[bytes], *, mode: int | None = None, user: str = DEFAULT_USER
@@ -481,8 +491,11 @@ class LocalRuntime:
             yield chunk
 
     async def fs(self, vm_id: str, op: str, **fields: Any) -> dict[str, Any]:
-        if op not in {"stat", "list_dir", "make_dir", "remove", "move"}:
-            raise InvalidInput(f"op: unknown file operation {op!r}", field="op")
+        return await self._agent_op(vm_id, op, {"stat", "list_dir", "make_dir", "remove", "move"}, fields)
+
+    async def _agent_op(self, vm_id: str, op: str, allowed: set[str], fields: dict[str, Any]) -> dict[str, Any]:
+        if op not in allowed:
+            raise InvalidInput(f"op: unknown operation {op!r}", field="op")
         answer = await self._agent(vm_id).call(op, **fields)
         answer.pop("id", None)
         answer.pop("type", None)
