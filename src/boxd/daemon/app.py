@@ -21,6 +21,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from boxd import __version__
 from boxd.daemon.auth import Keys
+from boxd.daemon.e2b.app import create_e2b_app
+from boxd.daemon.e2b.service import SandboxService
 from boxd.daemon.logs import event
 from boxd.daemon.machines import MachineService
 from boxd.daemon.routes import admin, health
@@ -36,6 +38,8 @@ log = logging.getLogger(__name__)
 
 # Starlette's own errors: routes that do not exist, methods a route does not take.
 _CODE_BY_STATUS = {404: "not_found", 405: "method_not_allowed"}
+# Where the E2B-compatible API is served: E2B_API_URL and E2B_SANDBOX_URL point here.
+E2B_PREFIX = "/e2b"
 
 
 def _error_response(status: int, body: dict[str, Any]) -> JSONResponse:
@@ -102,6 +106,7 @@ class RequestLog:
 
 def create_app(*, store: Store, keys: Keys, machines: MachineService, local_socket: str) -> FastAPI:
     snapshots = SnapshotService(store, machines.runtime, machines)
+    sandboxes = SandboxService(store, machines, snapshots)
     url_client = proxy_client()
 
     @asynccontextmanager
@@ -109,7 +114,9 @@ def create_app(*, store: Store, keys: Keys, machines: MachineService, local_sock
         await machines.recover()
         await snapshots.recover()
         machines.start_idle_watch()
+        sandboxes.start_expiry_watch()
         yield
+        await sandboxes.close()
         await snapshots.close()
         await machines.close()
         await url_client.aclose()
@@ -130,6 +137,7 @@ def create_app(*, store: Store, keys: Keys, machines: MachineService, local_sock
     app.include_router(machine_routes.router)
     app.include_router(snapshot_routes.router)
     app.include_router(admin.router)
+    app.mount(E2B_PREFIX, create_e2b_app(keys=keys, sandboxes=sandboxes))
     app.add_exception_handler(BoxdError, _boxd_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)

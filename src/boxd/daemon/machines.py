@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from boxd.config import MACHINE_KEY_PATH
 from boxd.daemon.auth import Keys
@@ -38,6 +38,7 @@ from boxd.models import (
     MachineState,
     SnapshotState,
 )
+from boxd.runtime.agent_client import ExecEvent as VMExecEvent
 from boxd.runtime.interface import ExecRequest, Runtime, VMInfo, VMSpec, VMState
 
 log = logging.getLogger(__name__)
@@ -552,6 +553,31 @@ class MachineService:
                 yield ExecEvent(type="started", pid=item.pid)
             else:
                 yield ExecEvent(type=item.kind, data_b64=_b64(item.data))
+
+    async def run_process(self, account: str, ref: str, request: ExecRequest) -> AsyncIterator[VMExecEvent]:
+        """A command's events as the runtime gives them (pty output and all); leaving early
+        leaves the command running, to be followed again with ``follow_process``."""
+        machine = await self.usable(account, ref)
+        event(log, "machine.exec", machine=machine.id, argv=request.argv, shell=request.shell, user=request.user)
+        with self.activity.busy(machine.id):
+            async for item in self.runtime.exec(machine.id, request):
+                yield item
+
+    async def follow_process(self, account: str, ref: str, pid: int) -> AsyncIterator[VMExecEvent]:
+        machine = await self.usable(account, ref)
+        with self.activity.busy(machine.id):
+            async for item in self.runtime.attach(machine.id, pid):
+                yield item
+
+    async def process_op(self, account: str, ref: str, op: str, **fields: Any) -> dict[str, Any]:
+        machine = await self.usable(account, ref)
+        with self.activity.busy(machine.id):
+            return await self.runtime.process(machine.id, op, **fields)
+
+    async def fs_op(self, account: str, ref: str, op: str, **fields: Any) -> dict[str, Any]:
+        machine = await self.usable(account, ref)
+        with self.activity.busy(machine.id):
+            return await self.runtime.fs(machine.id, op, **fields)
 
     async def exec(self, account: str, ref: str, body: ExecBody) -> ExecResult:
         started = time.monotonic()

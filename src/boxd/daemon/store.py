@@ -8,11 +8,13 @@ The schema moves forward by numbered migrations recorded in ``PRAGMA user_versio
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -112,10 +114,46 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE api_keys ADD COLUMN machine TEXT;
     """,
+    # 6: what the E2B API keeps of a machine it made: the template asked for, metadata,
+    # environment for its commands, the token of its envd calls, when it expires.
+    """
+    CREATE TABLE e2b_sandboxes (
+        machine TEXT PRIMARY KEY REFERENCES machines(id),
+        template TEXT NOT NULL,
+        metadata TEXT NOT NULL,
+        env TEXT NOT NULL,
+        access_token TEXT NOT NULL,
+        expires_at REAL,
+        auto_pause INTEGER NOT NULL DEFAULT 0
+    );
+    CREATE INDEX e2b_sandboxes_by_expiry ON e2b_sandboxes(expires_at);
+    CREATE UNIQUE INDEX e2b_sandboxes_by_token ON e2b_sandboxes(access_token);
+    """,
 ]
 
 _ALIVE = tuple(state.value for state in ALIVE_STATES)
 _ALIVE_SQL = ",".join("?" * len(_ALIVE))
+
+
+@dataclass(frozen=True)
+class SandboxRecord:
+    """What the E2B API keeps of one of its sandboxes (a machine)."""
+
+    machine: str
+    template: str
+    metadata: dict[str, str]
+    env: dict[str, str]
+    access_token: str
+    expires_at: float | None
+    auto_pause: bool = False
+
+
+def _sandbox(row: sqlite3.Row) -> SandboxRecord:
+    return SandboxRecord(
+        machine=row["machine"], template=row["template"], metadata=json.loads(row["metadata"]),
+        env=json.loads(row["env"]), access_token=row["access_token"], expires_at=row["expires_at"],
+        auto_pause=bool(row["auto_pause"]),
+    )
 
 
 def _when(epoch: float | None) -> datetime | None:
@@ -432,6 +470,39 @@ class Store:
             db.execute("DELETE FROM checkpoints WHERE machine = ?", (machine_id,))
             self._revoke_machine_keys(db, machine_id)
             return self._machine(db.execute("SELECT * FROM machines WHERE id = ?", (machine_id,)).fetchone())
+
+    # -- E2B sandboxes ----------------------------------------------------------------
+
+    def add_sandbox(self, sandbox: SandboxRecord) -> None:
+        with self._transaction() as db:
+            db.execute(
+                "INSERT INTO e2b_sandboxes (machine, template, metadata, env, access_token, expires_at, auto_pause)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (sandbox.machine, sandbox.template, json.dumps(sandbox.metadata), json.dumps(sandbox.env),
+                 sandbox.access_token, sandbox.expires_at, int(sandbox.auto_pause)),
+            )
+
+    def find_sandbox(self, machine_id: str) -> SandboxRecord | None:
+        rows = self._read("SELECT * FROM e2b_sandboxes WHERE machine = ?", machine_id)
+        return _sandbox(rows[0]) if rows else None
+
+    def find_sandbox_by_token(self, access_token: str) -> SandboxRecord | None:
+        rows = self._read("SELECT * FROM e2b_sandboxes WHERE access_token = ?", access_token)
+        return _sandbox(rows[0]) if rows else None
+
+    def set_sandbox_expiry(self, machine_id: str, expires_at: float | None) -> None:
+        with self._transaction() as db:
+            db.execute("UPDATE e2b_sandboxes SET expires_at = ? WHERE machine = ?", (expires_at, machine_id))
+
+    def expired_sandboxes(self, now: float) -> list[tuple[SandboxRecord, Machine]]:
+        """Sandboxes past their time whose machine is not deleted (one paused through the
+        E2B API has no expiry until it is resumed; one boxd put to sleep when idle has)."""
+        rows = self._read(
+            "SELECT s.*, m.* FROM e2b_sandboxes s JOIN machines m ON m.id = s.machine"
+            " WHERE s.expires_at IS NOT NULL AND s.expires_at <= ? AND m.deleted_at IS NULL",
+            now,
+        )
+        return [(_sandbox(row), self._machine(row)) for row in rows]
 
     # -- checkpoints ------------------------------------------------------------------
 

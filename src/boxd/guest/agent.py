@@ -724,8 +724,9 @@ class Agent:
             data = handle.read(length)
         return {"data": _b64(data), "size": info.st_size, "eof": offset + len(data) >= info.st_size}
 
+    # An entry travels under a key of its own: its "type" would clash with the message's.
     def op_stat(self, request: dict) -> dict:
-        return _entry(_absolute(request.get("path")))
+        return {"entry": _entry(_absolute(request.get("path")))}
 
     def op_list_dir(self, request: dict) -> dict:
         path = _absolute(request.get("path"))
@@ -764,7 +765,7 @@ class Agent:
         destination = _absolute(request.get("destination"))
         os.makedirs(os.path.dirname(destination), exist_ok=True)
         os.rename(source, destination)
-        return _entry(destination)
+        return {"entry": _entry(destination)}
 
 
 def _error(request_id: str, code: str, message: str, field: str | None = None) -> dict:

@@ -1,0 +1,153 @@
+"""The E2B control plane: sandboxes (v1 and v2 paths) and snapshots, keyed by ``X-API-KEY``
+(a boxd API key)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.responses import JSONResponse
+
+from boxd.daemon.auth import Keys
+from boxd.daemon.e2b import control_wire as wire
+from boxd.daemon.e2b.service import SandboxService, parse_metadata_filter
+from boxd.errors import AuthError, InvalidInput, Unsupported
+
+router = APIRouter()
+
+
+def _account(request: Request) -> str:
+    keys: Keys = request.app.state.keys
+    key = request.headers.get("x-api-key")
+    if key:
+        return keys.account_of(f"Bearer {key.strip()}")
+    if request.headers.get("authorization"):
+        return keys.account_of(request.headers["authorization"])
+    raise AuthError("missing API key: send X-API-KEY: <a boxd API key> (the e2b SDK reads E2B_API_KEY)")
+
+
+def _service(request: Request) -> SandboxService:
+    return request.app.state.sandboxes
+
+
+Account = Annotated[str, Depends(_account)]
+Sandboxes = Annotated[SandboxService, Depends(_service)]
+
+
+def _json(model: Any, status: int = 200) -> JSONResponse:
+    if isinstance(model, list):
+        return JSONResponse([item.model_dump(mode="json", by_alias=True, exclude_none=True) for item in model],
+                            status_code=status)
+    return JSONResponse(model.model_dump(mode="json", by_alias=True, exclude_none=True), status_code=status)
+
+
+@router.post("/sandboxes")
+@router.post("/v2/sandboxes")
+async def create_sandbox(body: wire.NewSandbox, account: Account, sandboxes: Sandboxes) -> Response:
+    return _json(await sandboxes.create(account, body), 201)
+
+
+@router.get("/sandboxes")
+async def list_running_sandboxes(
+    account: Account, sandboxes: Sandboxes, metadata: str | None = None
+) -> Response:
+    page, _ = sandboxes.list(account, metadata=parse_metadata_filter(metadata), states={"running"},
+                             limit=10_000, after=None)
+    return _json(page)
+
+
+@router.get("/v2/sandboxes")
+async def list_sandboxes(
+    account: Account,
+    sandboxes: Sandboxes,
+    metadata: str | None = None,
+    state: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    next_token: Annotated[str | None, Query(alias="nextToken")] = None,
+) -> Response:
+    states = {"running", "paused"}
+    if state:
+        states = {item.strip() for item in state.split(",") if item.strip()}
+        if not states <= {"running", "paused"}:
+            raise InvalidInput(f"state: expected running and/or paused, got {state!r}", field="state")
+    page, following = sandboxes.list(account, metadata=parse_metadata_filter(metadata), states=states,
+                                     limit=limit, after=next_token)
+    answer = _json(page)
+    if following:
+        answer.headers["x-next-token"] = following
+    return answer
+
+
+@router.get("/sandboxes/{sandbox_id}")
+async def get_sandbox(sandbox_id: str, account: Account, sandboxes: Sandboxes) -> Response:
+    return _json(sandboxes.info(account, sandbox_id))
+
+
+@router.delete("/sandboxes/{sandbox_id}", status_code=204)
+async def kill_sandbox(sandbox_id: str, account: Account, sandboxes: Sandboxes) -> None:
+    await sandboxes.kill(account, sandbox_id)
+
+
+@router.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
+async def set_timeout(sandbox_id: str, body: wire.Timeout, account: Account, sandboxes: Sandboxes) -> None:
+    sandboxes.set_timeout(account, sandbox_id, body.timeout)
+
+
+@router.post("/sandboxes/{sandbox_id}/refreshes", status_code=204)
+async def keep_alive(sandbox_id: str, account: Account, sandboxes: Sandboxes) -> None:
+    """Older SDKs' keep-alive: extends the sandbox's time (by its default) like connect."""
+    await sandboxes.connect(account, sandbox_id, wire.DEFAULT_TIMEOUT_S)
+
+
+@router.post("/sandboxes/{sandbox_id}/pause", status_code=204)
+async def pause_sandbox(sandbox_id: str, account: Account, sandboxes: Sandboxes) -> None:
+    await sandboxes.pause(account, sandbox_id)
+
+
+@router.post("/sandboxes/{sandbox_id}/resume")
+async def resume_sandbox(
+    sandbox_id: str, body: wire.ResumeSandbox, account: Account, sandboxes: Sandboxes
+) -> Response:
+    return _json(await sandboxes.resume(account, sandbox_id, body.timeout), 201)
+
+
+@router.post("/sandboxes/{sandbox_id}/connect")
+@router.post("/v2/sandboxes/{sandbox_id}/connect")
+async def connect_sandbox(
+    sandbox_id: str, body: wire.ConnectSandbox, account: Account, sandboxes: Sandboxes
+) -> Response:
+    answer, resumed = await sandboxes.connect(account, sandbox_id, body.timeout)
+    return _json(answer, 201 if resumed else 200)
+
+
+@router.post("/sandboxes/{sandbox_id}/fork")
+async def fork_sandbox(sandbox_id: str, body: wire.ForkSandbox, account: Account, sandboxes: Sandboxes) -> Response:
+    return _json(await sandboxes.fork(account, sandbox_id, body), 201)
+
+
+@router.post("/sandboxes/{sandbox_id}/snapshots")
+async def snapshot_sandbox(
+    sandbox_id: str, body: wire.SnapshotSandbox, account: Account, sandboxes: Sandboxes
+) -> Response:
+    return _json(await sandboxes.snapshot(account, sandbox_id, body.name), 201)
+
+
+@router.get("/snapshots")
+async def list_snapshots(
+    account: Account, sandboxes: Sandboxes, sandbox_id: Annotated[str | None, Query(alias="sandboxID")] = None
+) -> Response:
+    return _json(sandboxes.list_snapshots(account, sandbox_id))
+
+
+@router.delete("/templates/{template_id}", status_code=204)
+async def delete_snapshot(template_id: str, account: Account, sandboxes: Sandboxes) -> None:
+    """How the SDK deletes a snapshot; boxd's own image cannot be deleted this way."""
+    await sandboxes.delete_snapshot(account, template_id)
+
+
+@router.get("/sandboxes/{sandbox_id}/metrics")
+@router.put("/sandboxes/{sandbox_id}/network")
+@router.get("/sandboxes/{sandbox_id}/logs")
+@router.get("/v2/sandboxes/{sandbox_id}/logs")
+async def not_served(sandbox_id: str, request: Request, account: Account) -> None:
+    raise Unsupported(f"{request.method} {request.url.path.rsplit('/', 1)[-1]}: not supported by boxd's E2B API")

@@ -1,0 +1,315 @@
+"""E2B sandboxes as boxd machines: what each control-plane call does to them.
+
+A sandbox is a machine this API created, with a row of its own (template, metadata,
+environment, the token its envd calls carry, when it expires). ``pause`` suspends the
+machine (boxd hibernates it later if it stays idle) and clears its expiry until it is
+resumed; a sandbox whose time runs out is killed, or paused if it asked for that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import secrets
+import time
+import urllib.parse
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from boxd.daemon.e2b import control_wire as wire
+from boxd.daemon.logs import event
+from boxd.daemon.machines import MachineService
+from boxd.daemon.snapshots import SnapshotService
+from boxd.daemon.store import SandboxRecord, Store
+from boxd.errors import AuthError, BoxdError, Conflict, InvalidInput, NotFound, Unreachable
+from boxd.models import Machine, MachineCreate, MachineFork, MachineState, SnapshotCreate, SnapshotState
+
+log = logging.getLogger(__name__)
+
+# The templates that mean "boxd's own image"; any other templateID names a snapshot.
+IMAGE_TEMPLATES = frozenset({"base", "boxd"})
+EXPIRY_CHECK_S = 1.0
+SNAPSHOT_POLL_S = 0.2
+_PAUSED = (MachineState.PAUSED, MachineState.STOPPED)
+
+
+@dataclass(frozen=True)
+class Target:
+    """The machine an envd call is for, and whose it is."""
+
+    service: "SandboxService"
+    account: str
+    machine: str
+    env: dict[str, str]
+
+    @property
+    def machines(self) -> MachineService:
+        return self.service.machines
+
+
+def _state(machine: Machine) -> str:
+    return "paused" if machine.state in _PAUSED else "running"
+
+
+def parse_metadata_filter(query: str | None) -> dict[str, str]:
+    """``metadata=k%3Dv%26k2%3Dv2``: the SDK url-encodes key=value pairs, each quoted."""
+    if not query:
+        return {}
+    pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
+    return {urllib.parse.unquote(key): urllib.parse.unquote(value) for key, value in pairs}
+
+
+class SandboxService:
+    def __init__(self, store: Store, machines: MachineService, snapshots: SnapshotService) -> None:
+        self._store = store
+        self.machines = machines
+        self._snapshots = snapshots
+        self._expiry_watch: asyncio.Task | None = None
+
+    # -- lookups ----------------------------------------------------------------------
+
+    def _find(self, account: str, sandbox_id: str) -> tuple[SandboxRecord, Machine]:
+        """An alive sandbox of this account; any other is not found (as E2B says it)."""
+        record = self._store.find_sandbox(sandbox_id)
+        try:
+            machine = self._store.find_machine(account, sandbox_id) if record else None
+        except NotFound:
+            machine = None
+        if record is None or machine is None or machine.state is MachineState.FAILED:
+            raise NotFound(f"sandbox {sandbox_id} was not found", field="sandboxID")
+        return record, machine
+
+    async def envd_target(self, sandbox_id: str | None, token: str | None) -> Target:
+        """The sandbox an envd call names (``E2b-Sandbox-Id``), if its token is right.
+        Without the header the token alone names it: e2b 2.7's ``Sandbox.connect`` sends
+        no sandbox id, and every sandbox has a token of its own."""
+        if not token:
+            raise AuthError("X-Access-Token: missing; envd calls carry the sandbox's envdAccessToken")
+        if not sandbox_id:
+            record = self._store.find_sandbox_by_token(token)
+            if record is None:
+                raise AuthError("X-Access-Token: not the envd access token of any sandbox")
+            sandbox_id = record.machine
+        record = self._store.find_sandbox(sandbox_id)
+        if record is None:
+            raise Unreachable(f"The sandbox {sandbox_id} was not found")
+        if not hmac.compare_digest(token, record.access_token):
+            raise AuthError("X-Access-Token: not this sandbox's envd access token")
+        account = self._store.account_of(sandbox_id)
+        try:
+            machine = self._store.find_machine(account, sandbox_id)
+        except NotFound:
+            raise Unreachable(f"The sandbox {sandbox_id} was not found") from None
+        if machine.state is MachineState.FAILED:
+            raise Unreachable(f"The sandbox {sandbox_id} was not found: its machine failed ({machine.reason})")
+        return Target(self, account, machine.id, record.env)
+
+    def _answer(self, record: SandboxRecord) -> wire.Sandbox:
+        return wire.Sandbox(template_id=record.template, sandbox_id=record.machine,
+                            envd_access_token=record.access_token)
+
+    def _detail(self, record: SandboxRecord, machine: Machine, *, with_token: bool) -> wire.SandboxDetail:
+        ends = record.expires_at if record.expires_at is not None else time.time() + wire.MAX_TIMEOUT_S
+        return wire.SandboxDetail(
+            template_id=record.template,
+            sandbox_id=machine.id,
+            alias=machine.name,
+            started_at=machine.created_at,
+            end_at=datetime.fromtimestamp(ends, tz=UTC),
+            envd_access_token=record.access_token if with_token else None,
+            cpu_count=machine.vcpus,
+            memory_mb=machine.memory_mib,
+            disk_size_mb=machine.disk_gib * 1024,
+            metadata=record.metadata,
+            state=_state(machine),
+        )
+
+    # -- sandboxes --------------------------------------------------------------------
+
+    async def create(self, account: str, request: wire.NewSandbox) -> wire.Sandbox:
+        from_snapshot = None
+        if request.template_id not in IMAGE_TEMPLATES:
+            try:
+                snapshot = self._store.find_snapshot(account, request.template_id)
+            except NotFound:
+                raise NotFound(
+                    f"template {request.template_id} was not found: use 'base' (boxd's image) or a snapshot's "
+                    "name, NAME@VERSION or id", field="templateID",
+                ) from None
+            if snapshot.state is not SnapshotState.READY:
+                raise Conflict(f"snapshot {snapshot.ref} is {snapshot.state.value}", field="templateID")
+            from_snapshot = snapshot.ref
+        machine = await self.machines.create(account, MachineCreate(
+            name=_new_name(), isolated=not request.allow_internet_access, from_snapshot=from_snapshot,
+        ))
+        record = SandboxRecord(
+            machine=machine.id, template=request.template_id, metadata=request.metadata, env=request.env_vars,
+            access_token=secrets.token_urlsafe(32), expires_at=_expiry(request.timeout), auto_pause=request.auto_pause,
+        )
+        return await self._ready(account, machine, record)
+
+    async def _ready(self, account: str, machine: Machine, record: SandboxRecord) -> wire.Sandbox:
+        """Record a new sandbox and wait for its machine; one that never comes up is deleted."""
+        self._store.add_sandbox(record)
+        try:
+            await self.machines.wait_ready(account, machine.id, self.machines.limits.ready_timeout_s)
+        except BaseException:
+            with contextlib.suppress(BoxdError):
+                await self.machines.delete(account, machine.id)
+            raise
+        event(log, "e2b.sandbox_created", machine=machine.id, template=record.template)
+        return self._answer(record)
+
+    async def connect(self, account: str, sandbox_id: str, timeout: int) -> tuple[wire.Sandbox, bool]:
+        """Resume the sandbox if it is paused; its time is extended, never shortened.
+        Returns whether it had to be resumed."""
+        record, machine = self._find(account, sandbox_id)
+        was_paused = machine.state in _PAUSED
+        await self.machines.resume(account, sandbox_id)
+        await self.machines.wait_ready(account, sandbox_id, self.machines.limits.ready_timeout_s)
+        expires = _expiry(timeout)
+        if was_paused or record.expires_at is None or (expires is not None and expires > record.expires_at):
+            self._store.set_sandbox_expiry(sandbox_id, expires)
+        return self._answer(record), was_paused
+
+    async def resume(self, account: str, sandbox_id: str, timeout: int) -> wire.Sandbox:
+        _, machine = self._find(account, sandbox_id)
+        if machine.state not in _PAUSED:
+            raise Conflict(f"sandbox {sandbox_id} is already running", field="sandboxID")
+        answer, _ = await self.connect(account, sandbox_id, timeout)
+        return answer
+
+    async def pause(self, account: str, sandbox_id: str) -> None:
+        _, machine = self._find(account, sandbox_id)
+        if machine.state in _PAUSED:
+            raise Conflict(f"sandbox {sandbox_id} is already paused", field="sandboxID")
+        await self.machines.suspend(account, sandbox_id)
+        self._store.set_sandbox_expiry(sandbox_id, None)
+        event(log, "e2b.sandbox_paused", machine=sandbox_id)
+
+    async def kill(self, account: str, sandbox_id: str) -> None:
+        self._find(account, sandbox_id)
+        await self.machines.delete(account, sandbox_id)
+        event(log, "e2b.sandbox_killed", machine=sandbox_id)
+
+    def info(self, account: str, sandbox_id: str) -> wire.SandboxDetail:
+        record, machine = self._find(account, sandbox_id)
+        return self._detail(record, machine, with_token=True)
+
+    def set_timeout(self, account: str, sandbox_id: str, timeout: int) -> None:
+        self._find(account, sandbox_id)
+        self._store.set_sandbox_expiry(sandbox_id, _expiry(timeout))
+
+    def list(
+        self, account: str, *, metadata: dict[str, str], states: set[str], limit: int, after: str | None
+    ) -> tuple[list[wire.SandboxDetail], str | None]:
+        """One page, oldest first; the token is the id of the first sandbox of the next page."""
+        found = []
+        for machine in self._store.list_machines(account):
+            record = self._store.find_sandbox(machine.id)
+            if record is None or machine.state is MachineState.FAILED or _state(machine) not in states:
+                continue
+            if any(record.metadata.get(key) != value for key, value in metadata.items()):
+                continue
+            found.append(self._detail(record, machine, with_token=False))
+        start = 0
+        if after is not None:
+            ids = [sandbox.sandbox_id for sandbox in found]
+            if after not in ids:
+                raise InvalidInput(f"nextToken: {after!r} is not a token this server gave", field="nextToken")
+            start = ids.index(after)
+        page = found[start : start + limit]
+        following = found[start + limit] if start + limit < len(found) else None
+        return page, following.sandbox_id if following else None
+
+    async def fork(self, account: str, sandbox_id: str, request: wire.ForkSandbox) -> list[wire.ForkResult]:
+        """``count`` children at once: boxd shares one capture of the source among them."""
+        record, _ = self._find(account, sandbox_id)
+        children = await asyncio.gather(
+            *(self.machines.fork(account, sandbox_id, MachineFork(name=_new_name())) for _ in range(request.count)),
+            return_exceptions=True,
+        )
+
+        async def settle(child: Machine | BaseException) -> wire.ForkResult:
+            if isinstance(child, BoxdError):
+                return wire.ForkResult(error={"code": child.status, "message": child.message})
+            if isinstance(child, BaseException):
+                raise child
+            copy = SandboxRecord(
+                machine=child.id, template=record.template, metadata=record.metadata, env=record.env,
+                access_token=secrets.token_urlsafe(32), expires_at=_expiry(request.timeout),
+                auto_pause=record.auto_pause,
+            )
+            try:
+                return wire.ForkResult(sandbox=await self._ready(account, child, copy))
+            except BoxdError as error:
+                return wire.ForkResult(error={"code": error.status, "message": error.message})
+
+        return list(await asyncio.gather(*(settle(child) for child in children)))
+
+    # -- snapshots --------------------------------------------------------------------
+
+    async def snapshot(self, account: str, sandbox_id: str, name: str | None) -> wire.SnapshotInfo:
+        """Save a boxd snapshot of the sandbox and answer once it is usable as a templateID."""
+        self._find(account, sandbox_id)
+        saving = await self._snapshots.save(account, SnapshotCreate(machine=sandbox_id, name=name or _new_name()))
+        while saving.state is SnapshotState.SAVING:
+            await asyncio.sleep(SNAPSHOT_POLL_S)
+            saving = self._snapshots.get(account, saving.ref)
+        if saving.state is not SnapshotState.READY:
+            raise Conflict(f"snapshot {saving.ref} failed: {saving.reason}", field="sandboxID")
+        event(log, "e2b.snapshot_created", machine=sandbox_id, snapshot=saving.ref)
+        return wire.SnapshotInfo(snapshot_id=saving.ref, names=[saving.name])
+
+    def list_snapshots(self, account: str, sandbox_id: str | None) -> list[wire.SnapshotInfo]:
+        return [
+            wire.SnapshotInfo(snapshot_id=snapshot.ref, names=[snapshot.name])
+            for snapshot in self._snapshots.list(account)
+            if snapshot.state is SnapshotState.READY and (sandbox_id is None or snapshot.machine == sandbox_id)
+        ]
+
+    async def delete_snapshot(self, account: str, ref: str) -> None:
+        await self._snapshots.delete(account, ref)
+
+    # -- expiry -----------------------------------------------------------------------
+
+    def start_expiry_watch(self) -> None:
+        self._expiry_watch = asyncio.create_task(self._watch_expiry(), name="e2b-expiry")
+
+    async def close(self) -> None:
+        if self._expiry_watch is not None:
+            self._expiry_watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._expiry_watch
+
+    async def _watch_expiry(self) -> None:
+        while True:
+            await asyncio.sleep(EXPIRY_CHECK_S)
+            await self.enforce_expiry()
+
+    async def enforce_expiry(self) -> None:
+        """One pass: kill (or pause, if it asked) every sandbox whose time ran out."""
+        for record, machine in self._store.expired_sandboxes(time.time()):
+            account = self._store.account_of(machine.id)
+            try:
+                if record.auto_pause and machine.state is not MachineState.FAILED:
+                    if machine.state not in _PAUSED:
+                        await self.machines.suspend(account, machine.id)
+                    self._store.set_sandbox_expiry(machine.id, None)
+                else:
+                    await self.machines.delete(account, machine.id)
+            except BoxdError as error:
+                event(log, "e2b.expiry_failed", level=logging.WARNING, machine=machine.id, reason=error.message)
+                continue
+            event(log, "e2b.sandbox_expired", machine=machine.id, paused=record.auto_pause)
+
+
+def _new_name() -> str:
+    return f"e2b-{secrets.token_hex(4)}"
+
+
+def _expiry(timeout_s: int) -> float | None:
+    """When a sandbox given ``timeout_s`` expires; 0 means never (as in E2B's self-hosting)."""
+    return time.time() + timeout_s if timeout_s > 0 else None
