@@ -45,9 +45,10 @@ failures = 0
 
 
 async def step(call, *args, **kwargs):
-    if inspect.iscoroutinefunction(call):
-        return await call(*args, **kwargs)
-    return await asyncio.to_thread(call, *args, **kwargs)
+    if FLAVOR == "sync":
+        return await asyncio.to_thread(call, *args, **kwargs)
+    result = call(*args, **kwargs)
+    return await result if inspect.isawaitable(result) else result
 
 
 def report(check: str, ok: bool | None, detail: str = "") -> None:
