@@ -164,6 +164,48 @@ async def run_checks(sandbox, holder: dict) -> None:
         owner = await step(sandbox.commands.run, "stat -c %U /home/user/notes/hello.txt")
         assert owner.stdout == "user\n", owner.stdout
 
+    async def close_stdin():
+        if not hasattr(sandbox.commands, "close_stdin"):
+            return "this e2b release cannot close a command's stdin"
+        handle = await step(sandbox.commands.run, "wc -c", background=True, stdin=True)
+        await step(sandbox.commands.send_stdin, handle.pid, "12345")
+        await step(sandbox.commands.close_stdin, handle.pid)
+        result = await step(handle.wait)
+        assert result.stdout.strip() == "5", result.stdout
+
+    async def pty():
+        output = bytearray()
+        size = e2b.PtySize(rows=30, cols=100)
+        if FLAVOR == "async":
+            terminal = await sandbox.pty.create(size, on_data=output.extend)
+        else:
+            terminal = await step(sandbox.pty.create, size)
+        await step(sandbox.pty.resize, terminal.pid, e2b.PtySize(rows=40, cols=120))
+        await step(sandbox.pty.send_stdin, terminal.pid, b"stty size; tty; exit\n")
+        if FLAVOR == "async":
+            await terminal.wait()
+        else:
+            await step(terminal.wait, on_pty=output.extend)
+        text = output.decode(errors="replace")
+        assert "40 120" in text and "/dev/pts/" in text, text
+
+    async def watch():
+        await step(sandbox.files.make_dir, "/home/user/watched")
+        seen = []
+        if FLAVOR == "async":
+            watcher = await sandbox.files.watch_dir("/home/user/watched", on_event=seen.append, recursive=True)
+        else:
+            watcher = await step(sandbox.files.watch_dir, "/home/user/watched", recursive=True)
+        await step(sandbox.files.write, "/home/user/watched/new.txt", "x")
+        deadline = time.monotonic() + 30
+        while not any(event.name == "new.txt" for event in seen) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+            if FLAVOR == "sync":
+                seen.extend(await step(watcher.get_new_events))
+        await step(watcher.stop)
+        kinds = {event.type.value for event in seen if event.name == "new.txt"}
+        assert "create" in kinds, seen
+
     async def start_holder():
         handle = await step(sandbox.commands.run, f"python3 -u -c \"{HOLDER}\"", background=True, stdin=True)
         holder["pid"] = handle.pid
@@ -270,8 +312,8 @@ async def run_checks(sandbox, holder: dict) -> None:
         assert doomed.sandbox_id not in {item.sandbox_id for item in await step(SANDBOX.list().next_items)}
 
     for name, body in [
-        ("commands", commands), ("background_kill", background_kill), ("stdin", stdin), ("files", files),
-        ("start_holder", start_holder), ("pause_connect", pause_connect), ("reconnect_stream", reconnect_stream),
+        ("commands", commands), ("background_kill", background_kill), ("stdin", stdin), ("close_stdin", close_stdin),
+        ("pty", pty), ("files", files), ("watch", watch), ("start_holder", start_holder), ("pause_connect", pause_connect), ("reconnect_stream", reconnect_stream),
         ("fork", fork), ("snapshot", snapshot), ("listing", listing), ("timeout_expiry", timeout_expiry),
         ("wrong_key", wrong_key), ("unsupported", unsupported), ("kill", kill),
     ]:

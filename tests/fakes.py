@@ -297,6 +297,10 @@ class FakeRuntime:
     async def process(self, vm_id: str, op: str, **fields: Any) -> dict[str, Any]:
         raise NotImplementedError(op)
 
+    async def watch(self, vm_id: str, path: str, *, recursive: bool = False) -> AsyncIterator[tuple[str, str]]:
+        raise NotImplementedError("watch")
+        yield  # an async generator, like the real one
+
     async def delete(self, vm_id: str) -> None:
         self._vm(vm_id)
         del self.host.vms[vm_id]

@@ -322,3 +322,43 @@ def test_a_command_in_a_terminal_sees_a_tty_of_its_size_and_can_be_resized(agent
     output, end, kinds = run(scenario())
     assert b"40 120" in output and b"got:abc" in output
     assert end.exit_code == 0 and "stdout" not in kinds
+
+
+def test_a_watch_reports_changes_in_a_directory_tree_until_it_is_left(agent_socket, tmp_path):
+    root = tmp_path / "watched"
+    (root / "sub").mkdir(parents=True)
+
+    async def scenario():
+        client = AgentClient(agent_socket.path, name="t")
+        await client.connect(5)
+        changes = client.watch(str(root), recursive=True)
+        seen: list[tuple[str, str]] = []
+
+        async def collect():
+            async for change in changes:
+                seen.append(change)
+                if change == ("sub/new/deeper.txt", "create"):
+                    return
+
+        collecting = asyncio.create_task(collect())
+        await asyncio.sleep(0.3)  # the watch is in place
+        (root / "a.txt").write_text("x")
+        (root / "a.txt").rename(root / "b.txt")
+        (root / "b.txt").unlink()
+        (root / "sub" / "new").mkdir()
+        await asyncio.sleep(0.3)  # a new folder is watched once its create is seen
+        (root / "sub" / "new" / "deeper.txt").write_text("y")
+        await asyncio.wait_for(collecting, 10)
+        await changes.aclose()
+        await asyncio.sleep(0.2)
+        watches_left = len(agent_socket.agent.watches)
+        with pytest.raises(NotFound):
+            async for _ in client.watch(str(root / "missing")):
+                pass
+        await client.close()
+        return seen, watches_left
+
+    seen, watches_left = run(scenario())
+    assert ("a.txt", "create") in seen and ("a.txt", "write") in seen and ("a.txt", "rename") in seen
+    assert ("b.txt", "create") in seen and ("b.txt", "remove") in seen and ("sub/new", "create") in seen
+    assert watches_left == 0

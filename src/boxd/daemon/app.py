@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from boxd import __version__
 from boxd.daemon.auth import Keys
 from boxd.daemon.e2b.app import create_e2b_app
+from boxd.daemon.e2b.envd import Watchers
 from boxd.daemon.e2b.service import SandboxService
 from boxd.daemon.logs import event
 from boxd.daemon.machines import MachineService
@@ -107,6 +108,7 @@ class RequestLog:
 def create_app(*, store: Store, keys: Keys, machines: MachineService, local_socket: str) -> FastAPI:
     snapshots = SnapshotService(store, machines.runtime, machines)
     sandboxes = SandboxService(store, machines, snapshots)
+    watchers = Watchers()
     url_client = proxy_client()
 
     @asynccontextmanager
@@ -116,6 +118,7 @@ def create_app(*, store: Store, keys: Keys, machines: MachineService, local_sock
         machines.start_idle_watch()
         sandboxes.start_expiry_watch()
         yield
+        await watchers.close()
         await sandboxes.close()
         await snapshots.close()
         await machines.close()
@@ -137,7 +140,7 @@ def create_app(*, store: Store, keys: Keys, machines: MachineService, local_sock
     app.include_router(machine_routes.router)
     app.include_router(snapshot_routes.router)
     app.include_router(admin.router)
-    app.mount(E2B_PREFIX, create_e2b_app(keys=keys, sandboxes=sandboxes))
+    app.mount(E2B_PREFIX, create_e2b_app(keys=keys, sandboxes=sandboxes, watchers=watchers))
     app.add_exception_handler(BoxdError, _boxd_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)

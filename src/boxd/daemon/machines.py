@@ -579,6 +579,11 @@ class MachineService:
         with self.activity.busy(machine.id):
             return await self.runtime.fs(machine.id, op, **fields)
 
+    async def watch_dir(self, account: str, ref: str, path: str, *, recursive: bool) -> AsyncIterator[tuple[str, str]]:
+        machine = await self.usable(account, ref)
+        async for change in self.runtime.watch(machine.id, path, recursive=recursive):
+            yield change
+
     async def exec(self, account: str, ref: str, body: ExecBody) -> ExecResult:
         started = time.monotonic()
         output: dict[str, list[bytes]] = {"stdout": [], "stderr": []}

@@ -15,6 +15,11 @@ Request ids make retries safe: a request whose id was seen before is never run a
 a finished one gets its final answer sent once more. That matters after a fork, when
 a new host connection may resend what the old one already sent.
 
+``watch`` (``path``, ``recursive``) follows a directory: ``started``, then one
+``fs_event`` (``name`` relative to the directory, ``event``: create, write, remove,
+rename or chmod) per change, until ``unwatch`` (``target``: the watch's id) or a new host
+connection ends it with ``exit``.
+
 Tunnels carry TCP connections made inside the guest to the host (the SDK in a machine
 reaches the daemon this way; the guest's network cannot reach the host's loopback).
 ``tunnel_listen`` (``port``, optional ``host``, default 127.0.0.1) is an ordinary
@@ -38,8 +43,8 @@ connection the receiver does not hold is ignored. Each side keeps at most
 ``TUNNEL_WINDOW`` bytes sent and not yet acknowledged, and acknowledges what it has
 delivered every ``TUNNEL_ACK_EVERY`` bytes or whenever it has nothing more queued, so
 that a reader that stops reading holds up its own connection and nothing else. A host
-sends ``tunnel_reset`` when it connects: the connections of an earlier host (or, in a
-fork, of the source's host) are closed; listeners stay.
+sends ``tunnel_reset`` when it connects: the connections and watches of an earlier host
+(or, in a fork, of the source's host) are closed; listeners stay.
 
 Only the standard library is used: the guest has python3 and nothing else of ours.
 """
@@ -48,6 +53,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import ctypes
 import errno
 import fcntl
 import glob
@@ -57,6 +63,7 @@ import json
 import os
 import pwd
 import queue
+import select
 import shutil
 import signal
 import socket
@@ -391,6 +398,86 @@ class Process:
         fcntl.ioctl(self.terminal, termios.TIOCSWINSZ, _window_size(pty))
 
 
+# inotify(7): the events a watch asks for, and what each one is called to the host.
+IN_MODIFY, IN_ATTRIB, IN_MOVED_FROM, IN_MOVED_TO = 0x2, 0x4, 0x40, 0x80
+IN_CREATE, IN_DELETE, IN_DELETE_SELF, IN_MOVE_SELF = 0x100, 0x200, 0x400, 0x800
+IN_IGNORED, IN_ISDIR = 0x8000, 0x40000000
+WATCH_MASK = IN_MODIFY | IN_ATTRIB | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE | IN_DELETE_SELF | IN_MOVE_SELF
+WATCH_EVENTS = (  # as fsnotify (E2B's envd) names them, first match wins
+    (IN_CREATE | IN_MOVED_TO, "create"),
+    (IN_DELETE | IN_DELETE_SELF, "remove"),
+    (IN_MOVED_FROM | IN_MOVE_SELF, "rename"),
+    (IN_MODIFY, "write"),
+    (IN_ATTRIB, "chmod"),
+)
+INOTIFY_HEADER = struct.Struct("iIII")  # wd, mask, cookie, len
+
+
+class Watch:
+    """A directory followed with inotify, its events sent to the host as they come."""
+
+    def __init__(self, agent: "Agent", request_id: str, request: dict) -> None:
+        self.agent = agent
+        self.id = request_id
+        self.root = _absolute(request.get("path"))
+        if not os.path.isdir(self.root):
+            raise AgentFault("not_found" if not os.path.exists(self.root) else "invalid_input",
+                             f"path: {self.root} is not a directory", "path")
+        self.recursive = bool(request.get("recursive"))
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = self.libc.inotify_init1(os.O_CLOEXEC | os.O_NONBLOCK)
+        if self.fd < 0:
+            raise OSError(ctypes.get_errno(), "inotify_init1")
+        self.folders: dict[int, str] = {}  # watch descriptor -> folder, relative to the root
+        self.stop_reader, self.stop_writer = os.pipe()
+        self._add(self.root, "")
+
+    def _add(self, folder: str, relative: str) -> None:
+        descriptor = self.libc.inotify_add_watch(self.fd, folder.encode(), WATCH_MASK)
+        if descriptor >= 0:
+            self.folders[descriptor] = relative
+        if self.recursive:
+            for entry in os.scandir(folder):
+                if entry.is_dir(follow_symlinks=False):
+                    self._add(entry.path, os.path.join(relative, entry.name))
+
+    def stop(self) -> None:
+        os.write(self.stop_writer, b"x")
+
+    def run(self) -> None:
+        self.agent.channel.send({"id": self.id, "type": "started"})
+        try:
+            while True:
+                ready, _, _ = select.select([self.fd, self.stop_reader], [], [])
+                if self.stop_reader in ready:
+                    break
+                try:
+                    data = os.read(self.fd, 64 * 1024)
+                except BlockingIOError:
+                    continue
+                self._report(data)
+        finally:
+            for fd in (self.fd, self.stop_reader, self.stop_writer):
+                os.close(fd)
+            self.agent.finish(self.id, {"id": self.id, "type": "exit", "exit_code": 0, "signal": None,
+                                        "timed_out": False})
+
+    def _report(self, data: bytes) -> None:
+        offset = 0
+        while offset + INOTIFY_HEADER.size <= len(data):
+            descriptor, mask, _, length = INOTIFY_HEADER.unpack_from(data, offset)
+            raw = data[offset + INOTIFY_HEADER.size : offset + INOTIFY_HEADER.size + length]
+            offset += INOTIFY_HEADER.size + length
+            if mask & IN_IGNORED or descriptor not in self.folders:
+                continue
+            name = os.path.join(self.folders[descriptor], raw.rstrip(b"\0").decode(errors="surrogateescape"))
+            if self.recursive and mask & IN_ISDIR and mask & (IN_CREATE | IN_MOVED_TO):
+                self._add(os.path.join(self.root, name), name)
+            event = next((word for bits, word in WATCH_EVENTS if mask & bits), None)
+            if event is not None and name:
+                self.agent.channel.send({"id": self.id, "type": "fs_event", "name": name, "event": event})
+
+
 class Tunnel:
     """One connection accepted by a tunnel listener, carried to the host and back.
 
@@ -492,6 +579,7 @@ class Agent:
         self.listeners: dict[tuple[str, int], socket.socket] = {}
         self.tunnels: dict[int, Tunnel] = {}
         self.tunnel_ids = itertools.count(1)
+        self.watches: dict[str, Watch] = {}
 
     def serve(self) -> None:
         for line in self.channel.lines():
@@ -513,6 +601,9 @@ class Agent:
                 continue
             if op == "attach":
                 self._attach(request_id, request)
+                continue
+            if op == "watch":
+                self._watch(request_id, request)
                 continue
             handler = getattr(self, "op_" + op, None)
             if handler is None:
@@ -565,6 +656,27 @@ class Agent:
             self.processes[request_id] = process
         process.run()
 
+    def _watch(self, request_id: str, request: dict) -> None:
+        try:
+            watch = Watch(self, request_id, request)
+        except AgentFault as fault:
+            self.finish(request_id, _error(request_id, fault.code, str(fault), fault.field))
+            return
+        except OSError as error:
+            fault = _fault_from_oserror(error, request.get("path", ""))
+            self.finish(request_id, _error(request_id, fault.code, str(fault), fault.field))
+            return
+        with self.lock:
+            self.watches[request_id] = watch
+        threading.Thread(target=watch.run, daemon=True).start()
+
+    def op_unwatch(self, request: dict) -> dict:
+        with self.lock:
+            watch = self.watches.pop(str(request.get("target")), None)
+        if watch is not None:
+            watch.stop()
+        return {}
+
     def _attach(self, request_id: str, request: dict) -> None:
         """Follow a running process: ``started`` now, then its output and its exit."""
         try:
@@ -591,10 +703,15 @@ class Agent:
 
     def _tunnel_message(self, op: str, request: dict) -> None:
         if op == "tunnel_reset":
+            # A new host: what followed things for the one before has nobody to tell.
             with self.lock:
                 stale = list(self.tunnels.values())
+                watches = list(self.watches.values())
+                self.watches.clear()
             for tunnel in stale:
                 tunnel.end(tell_host=False)
+            for watch in watches:
+                watch.stop()
             return
         conn = request.get("conn")
         with self.lock:

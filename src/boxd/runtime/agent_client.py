@@ -292,11 +292,41 @@ class AgentClient:
         async for event in self._process_events({"op": "attach", "pid": pid}, None):
             yield event
 
-    async def _process_events(self, request: dict[str, Any], timeout: float | None) -> AsyncIterator[ExecEvent]:
-        await self._ensure()
+    async def watch(self, path: str, *, recursive: bool = False) -> AsyncIterator[tuple[str, str]]:
+        """Changes in a directory of the guest, as (name relative to it, event), until the
+        iteration is left; the guest then stops watching."""
         request_id = self._new_id()
+        try:
+            async for message in self._messages(request_id, {"op": "watch", "path": path, "recursive": recursive}, None):
+                if message.get("type") == "fs_event":
+                    yield str(message.get("name")), str(message.get("event"))
+        finally:
+            if self.connected:
+                with contextlib.suppress(BoxdError, _ConnectionLost):
+                    self._send({"id": self._new_id(), "op": "unwatch", "target": request_id})
+
+    async def _process_events(self, request: dict[str, Any], timeout: float | None) -> AsyncIterator[ExecEvent]:
+        async for message in self._messages(self._new_id(), request, timeout):
+            kind = message.get("type")
+            if kind == "started":
+                yield ExecEvent("started", pid=message.get("pid"))
+            elif kind in ("stdout", "stderr", "pty"):
+                yield ExecEvent(kind, data=base64.b64decode(message.get("data", "")))
+            elif kind == "exit":
+                yield ExecEvent(
+                    "exit",
+                    exit_code=message.get("exit_code"),
+                    signal=message.get("signal"),
+                    timed_out=bool(message.get("timed_out")),
+                )
+
+    async def _messages(
+        self, request_id: str, request: dict[str, Any], timeout: float | None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """What a streaming request gets back, through its ``exit``; an error answer raises."""
+        await self._ensure()
         pending = self._pending[request_id] = _Pending()
-        # The guest enforces the timeout; this margin only catches a guest that died.
+        # The guest enforces a command's timeout; this margin only catches a guest that died.
         host_deadline = None if timeout is None else time.monotonic() + timeout + 30
         try:
             await self._send_drained({"id": request_id, **request})
@@ -307,21 +337,11 @@ class AgentClient:
                 except asyncio.TimeoutError:
                     raise Timeout(f"machine {self.name}: the command did not finish and the guest went silent") from None
                 if isinstance(message, _ConnectionLost):
-                    raise AgentUnavailable(f"machine {self.name}: the agent connection was lost during a command")
-                kind = message.get("type")
-                if kind == "error":
+                    raise AgentUnavailable(f"machine {self.name}: the agent connection was lost during {request['op']}")
+                if message.get("type") == "error":
                     raise fault_to_error(message)
-                if kind == "started":
-                    yield ExecEvent("started", pid=message.get("pid"))
-                elif kind in ("stdout", "stderr", "pty"):
-                    yield ExecEvent(kind, data=base64.b64decode(message.get("data", "")))
-                elif kind == "exit":
-                    yield ExecEvent(
-                        "exit",
-                        exit_code=message.get("exit_code"),
-                        signal=message.get("signal"),
-                        timed_out=bool(message.get("timed_out")),
-                    )
+                yield message
+                if message.get("type") == "exit":
                     return
         finally:
             self._pending.pop(request_id, None)

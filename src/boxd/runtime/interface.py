@@ -105,6 +105,9 @@ class Runtime(Protocol):
     async def fs(self, vm_id: str, op: str, **fields: Any) -> dict[str, Any]:
         """stat, list_dir, make_dir, remove, move: the agent's small file operations."""
 
+    def watch(self, vm_id: str, path: str, *, recursive: bool = False) -> AsyncIterator[tuple[str, str]]:
+        """Changes in a guest directory as (name relative to it, create|write|remove|rename|chmod)."""
+
     async def fork(self, source_id: str, new_ids: list[str]) -> list[VMInfo]:
         """New machines continuing from one instant of a running one; they run, not yet ready."""
 

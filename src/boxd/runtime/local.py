@@ -493,6 +493,10 @@ class LocalRuntime:
     async def fs(self, vm_id: str, op: str, **fields: Any) -> dict[str, Any]:
         return await self._agent_op(vm_id, op, {"stat", "list_dir", "make_dir", "remove", "move"}, fields)
 
+    async def watch(self, vm_id: str, path: str, *, recursive: bool = False) -> AsyncIterator[tuple[str, str]]:
+        async for change in self._agent(vm_id).watch(path, recursive=recursive):
+            yield change
+
     async def _agent_op(self, vm_id: str, op: str, allowed: set[str], fields: dict[str, Any]) -> dict[str, Any]:
         if op not in allowed:
             raise InvalidInput(f"op: unknown operation {op!r}", field="op")

@@ -72,10 +72,11 @@ async def _unexpected_error(request: Request, error: Exception) -> JSONResponse:
     return _answer(request, 500, "internal", f"internal error: {type(error).__name__}")
 
 
-def create_e2b_app(*, keys: Keys, sandboxes: SandboxService) -> FastAPI:
+def create_e2b_app(*, keys: Keys, sandboxes: SandboxService, watchers: envd.Watchers) -> FastAPI:
     app = FastAPI(title="boxd: E2B-compatible API", openapi_url=None, docs_url=None, redoc_url=None)
     app.state.keys = keys
     app.state.sandboxes = sandboxes
+    app.state.watchers = watchers
     app.include_router(control.router)
     app.include_router(envd.router)
     app.add_exception_handler(BoxdError, _boxd_error)

@@ -9,13 +9,13 @@ import asyncio
 import base64
 import binascii
 import contextlib
-import json
 import posixpath
+import secrets
 import signal
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from starlette.datastructures import UploadFile
@@ -98,14 +98,15 @@ def _as_message(event: ExecEvent) -> wire.ProcessEventMessage:
     return wire.ProcessEventMessage(event=wire.ProcessEvent(data=data))
 
 
-async def _with_keepalives(
-    events: AsyncIterator[ExecEvent], timeout: float | None
-) -> AsyncIterator[wire.ProcessEventMessage]:
-    """The process's events, and a keepalive whenever it has been quiet a while (proxies
-    and clients drop silent streams), until the call's timeout ends the stream (as envd
-    does; the process goes on, to be reached again with Connect). A pump task reads the
-    events, so that waiting for the next one never cancels the read itself."""
-    queue: asyncio.Queue[ExecEvent | BaseException | None] = asyncio.Queue()
+Item = TypeVar("Item")
+
+
+async def _with_keepalives(events: AsyncIterator[Item], timeout: float | None) -> AsyncIterator[Item | None]:
+    """A stream's items, and None whenever it has been quiet a while (time for a keepalive:
+    proxies and clients drop silent streams), until the call's timeout ends the stream (as
+    envd does; a process goes on, to be reached again with Connect). A pump task reads the
+    items, so that waiting for the next one never cancels the read itself."""
+    queue: asyncio.Queue[Item | BaseException | None] = asyncio.Queue()
     deadline = None if timeout is None else time.monotonic() + timeout
 
     async def pump() -> None:
@@ -121,23 +122,30 @@ async def _with_keepalives(
         while True:
             wait = KEEPALIVE_S if deadline is None else min(KEEPALIVE_S, deadline - time.monotonic())
             if wait <= 0:
-                raise ConnectError("deadline_exceeded", f"the call's timeout of {timeout:g} s passed; "
-                                   "the command still runs")
+                raise ConnectError("deadline_exceeded", f"the call's timeout of {timeout:g} s passed")
             try:
                 item = await asyncio.wait_for(queue.get(), wait)
             except asyncio.TimeoutError:
                 if deadline is None or time.monotonic() < deadline:
-                    yield wire.ProcessEventMessage(event=wire.ProcessEvent(keepalive=wire.Empty()))
+                    yield None
                 continue
             if item is None:
                 return
             if isinstance(item, BaseException):
                 raise item
-            yield _as_message(item)
+            yield item
     finally:
         task.cancel()
         with contextlib.suppress(BaseException):
             await task
+
+
+async def _process_stream(events: AsyncIterator[ExecEvent], timeout: float | None) -> AsyncIterator[wire.ProcessEventMessage]:
+    async for item in _with_keepalives(events, timeout):
+        if item is None:
+            yield wire.ProcessEventMessage(event=wire.ProcessEvent(keepalive=wire.Empty()))
+        else:
+            yield _as_message(item)
 
 
 def _selector_pid(selector: wire.ProcessSelector, processes: list[dict[str, Any]]) -> int:
@@ -184,7 +192,7 @@ async def process_start(request: Request) -> Response:
     # The first event (started, or the error that kept it from starting) comes before
     # the answer does: a command that cannot start is a plain error, not a stream.
     first = await _first(events)
-    return server_stream(lambda: _with_keepalives(_chain(first, events), _timeout_of(request)))
+    return server_stream(lambda: _process_stream(_chain(first, events), _timeout_of(request)))
 
 
 async def _first(events: AsyncIterator[ExecEvent]) -> ExecEvent:
@@ -212,7 +220,7 @@ async def process_connect(request: Request) -> Response:
         if error.code == "not_found":
             raise ConnectError("not_found", f"process with pid {pid} not found") from None
         raise
-    return server_stream(lambda: _with_keepalives(_chain(first, events), _timeout_of(request)))
+    return server_stream(lambda: _process_stream(_chain(first, events), _timeout_of(request)))
 
 
 @router.post("/process.Process/List")
@@ -466,3 +474,123 @@ async def download_file(request: Request, path: str) -> Response:
             yield chunk
 
     return StreamingResponse(body(), media_type="application/octet-stream")
+
+
+# -- directory watches --------------------------------------------------------------------
+
+_EVENT_TYPES = {"create": wire.EventType.CREATE, "write": wire.EventType.WRITE, "remove": wire.EventType.REMOVE,
+                "rename": wire.EventType.RENAME, "chmod": wire.EventType.CHMOD}
+
+
+def _changes(target: Target, path: str, recursive: bool) -> AsyncIterator[wire.FilesystemEvent]:
+    async def changes() -> AsyncIterator[wire.FilesystemEvent]:
+        try:
+            async for name, kind in target.machines.watch_dir(target.account, target.machine, path, recursive=recursive):
+                yield wire.FilesystemEvent(name=name, type=_EVENT_TYPES[kind])
+        except NotFound as error:
+            raise ConnectError("not_found", error.message) from None
+
+    return changes()
+
+
+class Watchers:
+    """The watches of the SDK's sync API: made by CreateWatcher, drained by GetWatcherEvents,
+    ended by RemoveWatcher (or with their sandbox's envd connection)."""
+
+    def __init__(self) -> None:
+        self._events: dict[str, list[wire.FilesystemEvent]] = {}
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._owners: dict[str, str] = {}
+
+    async def create(self, target: Target, path: str, recursive: bool) -> str:
+        changes = _changes(target, path, recursive)
+        first = asyncio.ensure_future(anext(changes))
+        # The watch is in place once the guest said so; a missing folder fails here.
+        await asyncio.wait({first}, timeout=0.5)
+        if first.done() and first.exception() is not None:
+            raise first.exception()
+        watcher_id = secrets.token_hex(8)
+        self._events[watcher_id] = []
+        self._owners[watcher_id] = target.machine
+        self._tasks[watcher_id] = asyncio.create_task(self._collect(watcher_id, first, changes))
+        return watcher_id
+
+    async def _collect(self, watcher_id: str, first: asyncio.Future, changes: AsyncIterator[wire.FilesystemEvent]) -> None:
+        with contextlib.suppress(StopAsyncIteration, BoxdError, ConnectError):
+            self._events[watcher_id].append(await first)
+            async for change in changes:
+                self._events[watcher_id].append(change)
+
+    def _check(self, target: Target, watcher_id: str) -> None:
+        if self._owners.get(watcher_id) != target.machine:
+            raise ConnectError("not_found", f"watcher {watcher_id} not found")
+
+    def drain(self, target: Target, watcher_id: str) -> list[wire.FilesystemEvent]:
+        self._check(target, watcher_id)
+        events, self._events[watcher_id] = self._events[watcher_id], []
+        return events
+
+    async def remove(self, target: Target, watcher_id: str) -> None:
+        self._check(target, watcher_id)
+        task = self._tasks.pop(watcher_id)
+        self._events.pop(watcher_id, None)
+        self._owners.pop(watcher_id, None)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    async def close(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+
+def _watchers(request: Request) -> Watchers:
+    return request.app.state.watchers
+
+
+@router.post("/filesystem.Filesystem/WatchDir")
+async def fs_watch_dir(request: Request) -> Response:
+    target = await _target(request)
+    message: wire.WatchDirRequest = await _single_message(request, wire.WatchDirRequest)
+    path = _absolute(message.path, user_of(request))
+    changes = _changes(target, path, message.recursive)
+    timeout = _timeout_of(request)
+
+    async def events() -> AsyncIterator[wire.WatchDirResponse]:
+        yield wire.WatchDirResponse(start=wire.Empty())
+        async for item in _with_keepalives(changes, timeout):
+            if item is None:
+                yield wire.WatchDirResponse(keepalive=wire.Empty())
+            else:
+                yield wire.WatchDirResponse(filesystem=item)
+
+    return server_stream(events)
+
+
+@router.post("/filesystem.Filesystem/CreateWatcher")
+async def fs_create_watcher(request: Request) -> Response:
+    async def handle(message: wire.WatchDirRequest) -> wire.CreateWatcherResponse:
+        target = await _target(request)
+        path = _absolute(message.path, user_of(request))
+        return wire.CreateWatcherResponse(watcher_id=await _watchers(request).create(target, path, message.recursive))
+
+    return await unary(request, wire.WatchDirRequest, handle)
+
+
+@router.post("/filesystem.Filesystem/GetWatcherEvents")
+async def fs_get_watcher_events(request: Request) -> Response:
+    async def handle(message: wire.WatcherRequest) -> wire.GetWatcherEventsResponse:
+        target = await _target(request)
+        return wire.GetWatcherEventsResponse(events=_watchers(request).drain(target, message.watcher_id))
+
+    return await unary(request, wire.WatcherRequest, handle)
+
+
+@router.post("/filesystem.Filesystem/RemoveWatcher")
+async def fs_remove_watcher(request: Request) -> Response:
+    async def handle(message: wire.WatcherRequest) -> wire.Empty:
+        await _watchers(request).remove(await _target(request), message.watcher_id)
+        return wire.Empty()
+
+    return await unary(request, wire.WatcherRequest, handle)
