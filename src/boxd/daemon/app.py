@@ -135,6 +135,7 @@ def create_app(*, store: Store, keys: Keys, machines: MachineService, local_sock
     app.state.keys = keys
     app.state.machines = machines
     app.state.snapshots = snapshots
+    app.state.sandboxes = sandboxes
     app.state.local_socket = local_socket
     app.include_router(health.router)
     app.include_router(machine_routes.router)

@@ -30,11 +30,9 @@ def _is_rpc(request: Request) -> bool:
 
 
 def _answer(request: Request, status: int, connect_code: str, message: str) -> JSONResponse:
+    """An RPC's error is Connect's (its status follows from its code); any other is E2B's."""
     if _is_rpc(request):
-        error = ConnectError(connect_code, message)
-        response = unary_error(error)
-        response.status_code = status
-        return response
+        return unary_error(ConnectError(connect_code, message))
     # Retrying would not help, and e2b 2.63 retries 429 and 5xx with backoff unless told.
     headers = {"Should-Retry": "false"} if status == 429 or status >= 500 else None
     return JSONResponse({"code": status, "message": message}, status_code=status, headers=headers)

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
 
-from boxd.daemon.auth import Keys
+from boxd.daemon.auth import KEY_PREFIX, Keys
 from boxd.daemon.e2b import control_wire as wire
 from boxd.daemon.e2b.service import SandboxService, parse_metadata_filter
 from boxd.errors import AuthError, InvalidInput, Unsupported
@@ -18,9 +18,11 @@ router = APIRouter()
 
 def _account(request: Request) -> str:
     keys: Keys = request.app.state.keys
-    key = request.headers.get("x-api-key")
+    key = (request.headers.get("x-api-key") or "").strip()
     if key:
-        return keys.account_of(f"Bearer {key.strip()}")
+        if not key.startswith(KEY_PREFIX):
+            raise AuthError(f"X-API-KEY: not a boxd API key ({KEY_PREFIX}...); set E2B_API_KEY to one")
+        return keys.account_of(f"Bearer {key}")
     if request.headers.get("authorization"):
         return keys.account_of(request.headers["authorization"])
     raise AuthError("missing API key: send X-API-KEY: <a boxd API key> (the e2b SDK reads E2B_API_KEY)")

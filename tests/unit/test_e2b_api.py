@@ -1,0 +1,254 @@
+"""The E2B-compatible API over the real app and store and a FakeRuntime (whose commands
+are host processes): wire shapes, errors, lifecycle, expiry. The real SDK against real
+VMs is tests/integration/test_e2b_conformance.py."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import struct
+import urllib.parse
+
+import pytest
+from fakes import ControlPlane
+
+from boxd.daemon.e2b import envd_wire as wire
+from boxd.daemon.e2b.connect import END_STREAM, ConnectError, envelope, parse_message
+from boxd.daemon.e2b.service import parse_metadata_filter
+
+pytestmark = pytest.mark.anyio
+
+E2B = "/e2b"
+
+
+@pytest.fixture
+async def e2b(plane):
+    async with plane.http() as client:
+        client.headers["X-API-KEY"] = plane.key_for("alice")
+        yield client
+
+
+def sandboxes_of(plane: ControlPlane):
+    return plane.app.state.sandboxes
+
+
+async def new_sandbox(client, **fields) -> dict:
+    created = await client.post(f"{E2B}/v2/sandboxes", json={"templateID": "base", **fields})
+    assert created.status_code == 201, created.text
+    return created.json()
+
+
+def envd_headers(sandbox: dict) -> dict:
+    return {"E2b-Sandbox-Id": sandbox["sandboxID"], "X-Access-Token": sandbox["envdAccessToken"]}
+
+
+def frames(body: bytes) -> list[tuple[int, dict]]:
+    """The envelopes of a Connect stream: (flags, message)."""
+    found, offset = [], 0
+    while offset < len(body):
+        flags, length = struct.unpack(">BI", body[offset : offset + 5])
+        found.append((flags, json.loads(body[offset + 5 : offset + 5 + length])))
+        offset += 5 + length
+    return found
+
+
+# -- the wire, without a server ----------------------------------------------------------
+
+
+def test_messages_take_either_spelling_enums_by_name_or_number_and_ignore_unknown_fields():
+    start = parse_message(wire.StartRequest, b'{"process": {"cmd": "ls", "args": ["-l"]}, "tag": "t", "future": 1}')
+    assert start.process.cmd == "ls" and start.stdin is None and start.tag == "t"
+    by_snake = parse_message(wire.WatchDirRequest, b'{"path": "/x", "include_entry": true}')
+    by_camel = parse_message(wire.WatchDirRequest, b'{"path": "/x", "includeEntry": true}')
+    assert by_snake.include_entry and by_camel.include_entry
+    assert parse_message(wire.SendSignalRequest, b'{"process": {"pid": 3}, "signal": "SIGNAL_SIGKILL"}').signal == 9
+    assert parse_message(wire.SendSignalRequest, b'{"process": {"pid": 3}, "signal": 15}').signal == 15
+
+
+def test_bytes_are_base64_in_any_of_its_spellings_and_bad_input_names_its_field():
+    payload = bytes(range(250, 256))
+    for text in (base64.b64encode(payload).decode(), base64.urlsafe_b64encode(payload).decode().rstrip("=")):
+        message = parse_message(wire.SendInputRequest, json.dumps({"process": {"pid": 1}, "input": {"stdin": text}}).encode())
+        assert message.input.data() == payload
+    with pytest.raises(ConnectError) as bad:
+        parse_message(wire.SendInputRequest, b'{"process": {"pid": 1}, "input": {"stdin": "***"}}')
+    assert bad.value.code == "invalid_argument" and "input.stdin" in bad.value.message
+    with pytest.raises(ConnectError) as missing:
+        parse_message(wire.StartRequest, b'{"process": {}}')
+    assert "process.cmd" in missing.value.message
+
+
+def test_an_entry_reads_as_envd_describes_it():
+    entry = {"name": "a", "path": "/h/a", "type": "symlink", "size": 4, "mode": 0o777, "mtime": 0.5,
+             "owner": "user", "group": "user", "target": "d"}
+    pointed = {**entry, "type": "dir", "size": 4096}
+    info = wire.EntryInfo.of(entry, pointed).model_dump(by_alias=True, exclude_none=True)
+    assert info["type"] == "FILE_TYPE_DIRECTORY" and info["isSymlink"] and info["symlinkTarget"] == "d"
+    assert info["permissions"] == "drwxrwxrwx" and info["modifiedTime"] == "1970-01-01T00:00:00.500000Z"
+
+
+def test_metadata_filters_come_doubly_encoded():
+    # What the SDK sends: urlencode({quote(k): quote(v)}), then encoded once more as a query value.
+    inner = urllib.parse.urlencode({urllib.parse.quote("a b"): urllib.parse.quote("x&y=z"), "k": "v"})
+    assert parse_metadata_filter(inner) == {"a b": "x&y=z", "k": "v"}
+    assert parse_metadata_filter(None) == {}
+
+
+def test_an_envelope_is_one_write_with_its_length():
+    framed = envelope({"a": 1}, END_STREAM)
+    assert framed[0] == END_STREAM and struct.unpack(">I", framed[1:5])[0] == len(framed) - 5
+
+
+# -- the control plane -------------------------------------------------------------------
+
+
+async def test_create_get_list_and_kill_answer_in_e2b_shapes(plane, e2b):
+    first = await new_sandbox(e2b, metadata={"team": "rl", "run": "1"}, envVars={"A": "1"})
+    assert {"templateID", "sandboxID", "clientID", "envdVersion", "envdAccessToken"} <= first.keys()
+    second = await new_sandbox(e2b, metadata={"team": "rl", "run": "2"})
+    assert first["envdAccessToken"] != second["envdAccessToken"]
+
+    info = (await e2b.get(f"{E2B}/sandboxes/{first['sandboxID']}")).json()
+    assert info["state"] == "running" and info["metadata"] == {"team": "rl", "run": "1"}
+    assert {"startedAt", "endAt", "cpuCount", "memoryMB", "diskSizeMB"} <= info.keys()
+
+    wanted = urllib.parse.urlencode({"run": "2"})
+    listed = await e2b.get(f"{E2B}/v2/sandboxes", params={"metadata": wanted})
+    assert [s["sandboxID"] for s in listed.json()] == [second["sandboxID"]]
+    page = await e2b.get(f"{E2B}/v2/sandboxes", params={"limit": 1})
+    assert len(page.json()) == 1 and page.headers["x-next-token"] == second["sandboxID"]
+    rest = await e2b.get(f"{E2B}/v2/sandboxes", params={"limit": 1, "nextToken": page.headers["x-next-token"]})
+    assert [s["sandboxID"] for s in rest.json()] == [second["sandboxID"]] and "x-next-token" not in rest.headers
+
+    assert (await e2b.delete(f"{E2B}/sandboxes/{first['sandboxID']}")).status_code == 204
+    gone = await e2b.get(f"{E2B}/sandboxes/{first['sandboxID']}")
+    assert gone.status_code == 404 and gone.json() == {"code": 404, "message": f"sandbox {first['sandboxID']} was not found"}
+
+
+async def test_bad_requests_are_refused_in_e2b_shape_and_change_nothing(plane, e2b):
+    missing = await e2b.post(f"{E2B}/v2/sandboxes", json={"timeout": 5})
+    assert missing.status_code == 400 and missing.json()["code"] == 400 and "templateID" in missing.json()["message"]
+    negative = await e2b.post(f"{E2B}/v2/sandboxes", json={"templateID": "base", "timeout": -1})
+    assert negative.status_code == 400 and "timeout" in negative.json()["message"]
+    unknown = await e2b.post(f"{E2B}/v2/sandboxes", json={"templateID": "no-such-template"})
+    assert unknown.status_code == 404 and "templateID" not in unknown.json()  # int code, message only
+    assert plane.store.list_machines("alice") == []
+
+    wrong_key = await e2b.get(f"{E2B}/v2/sandboxes", headers={"X-API-KEY": "boxd_" + "0" * 48})
+    assert wrong_key.status_code == 401 and wrong_key.json()["code"] == 401
+    assert wrong_key.headers.get("should-retry") is None
+    not_served = await e2b.get(f"{E2B}/volumes")
+    assert not_served.status_code == 404 and "not supported" in not_served.json()["message"]
+
+
+async def test_pause_then_connect_resumes_and_a_second_pause_conflicts(plane, e2b):
+    sandbox = await new_sandbox(e2b)
+    url = f"{E2B}/sandboxes/{sandbox['sandboxID']}"
+    assert (await e2b.post(f"{url}/pause")).status_code == 204
+    assert (await e2b.get(url)).json()["state"] == "paused"
+    assert (await e2b.post(f"{url}/pause")).status_code == 409
+    resumed = await e2b.post(f"{E2B}/v2/sandboxes/{sandbox['sandboxID']}/connect", json={"timeout": 60})
+    assert resumed.status_code == 201 and resumed.json()["envdAccessToken"] == sandbox["envdAccessToken"]
+    again = await e2b.post(f"{E2B}/sandboxes/{sandbox['sandboxID']}/connect", json={"timeout": 60})
+    assert again.status_code == 200 and (await e2b.get(url)).json()["state"] == "running"
+
+
+async def test_a_sandbox_past_its_time_is_killed_or_paused_if_it_asked(plane, e2b):
+    doomed = await new_sandbox(e2b, timeout=600)
+    keeper = await new_sandbox(e2b, timeout=600, autoPause=True)
+    lasting = await new_sandbox(e2b, timeout=600)
+    for sandbox in (doomed, keeper):
+        assert (await e2b.post(f"{E2B}/sandboxes/{sandbox['sandboxID']}/timeout", json={"timeout": 1})).status_code == 204
+    await asyncio.sleep(1.1)
+    await sandboxes_of(plane).enforce_expiry()
+    assert (await e2b.get(f"{E2B}/sandboxes/{doomed['sandboxID']}")).status_code == 404
+    assert (await e2b.get(f"{E2B}/sandboxes/{keeper['sandboxID']}")).json()["state"] == "paused"
+    assert (await e2b.get(f"{E2B}/sandboxes/{lasting['sandboxID']}")).json()["state"] == "running"
+    await sandboxes_of(plane).enforce_expiry()  # a paused one has no expiry until resumed
+    assert (await e2b.get(f"{E2B}/sandboxes/{keeper['sandboxID']}")).json()["state"] == "paused"
+
+
+async def test_a_fork_of_count_n_answers_one_result_per_child_each_on_its_own(tmp_path):
+    plane = ControlPlane(tmp_path)
+    try:
+        async with plane.http() as client:
+            client.headers["X-API-KEY"] = plane.key_for("bob", max_machines=3)
+            source = await new_sandbox(client)
+            answer = await client.post(f"{E2B}/sandboxes/{source['sandboxID']}/fork", json={"count": 3})
+            assert answer.status_code == 201
+            results = answer.json()
+            children = [r["sandbox"] for r in results if "sandbox" in r]
+            errors = [r["error"] for r in results if "error" in r]
+            # The quota (3) holds the source and two children; the third is refused alone.
+            assert len(children) == 2 and [e["code"] for e in errors] == [429]
+            assert len({c["sandboxID"] for c in children} | {source["sandboxID"]}) == 3
+            assert len({c["envdAccessToken"] for c in children}) == 2
+    finally:
+        await plane.close()
+
+
+# -- envd --------------------------------------------------------------------------------
+
+
+async def test_a_command_streams_start_output_and_end_as_connect_envelopes(plane, e2b):
+    sandbox = await new_sandbox(e2b, envVars={"GREETING": "hello"})
+    request = envelope({"process": {"cmd": "/bin/sh", "args": ["-c", "echo $GREETING; exit 4"]}, "stdin": False})
+    answer = await e2b.post(f"{E2B}/process.Process/Start", content=request,
+                            headers={**envd_headers(sandbox), "content-type": "application/connect+json"})
+    assert answer.status_code == 200 and answer.headers["content-type"] == "application/connect+json"
+    messages = frames(answer.content)
+    events = [m["event"] for flags, m in messages if flags == 0]
+    assert "start" in events[0] and events[0]["start"]["pid"] > 0
+    output = b"".join(base64.b64decode(e["data"]["stdout"]) for e in events if "data" in e)
+    assert output == b"hello\n"
+    assert events[-1]["end"] == {"exitCode": 4, "exited": True, "status": "exit status 4", "error": "exit status 4"}
+    assert messages[-1] == (END_STREAM, {})
+
+
+async def test_envd_calls_need_the_sandboxs_own_token_and_find_it_by_token_alone(plane, e2b):
+    first, second = await new_sandbox(e2b), await new_sandbox(e2b)
+    health = f"{E2B}/health"
+    assert (await e2b.get(health, headers=envd_headers(first))).status_code == 204
+    crossed = {"E2b-Sandbox-Id": first["sandboxID"], "X-Access-Token": second["envdAccessToken"]}
+    refused = await e2b.post(f"{E2B}/process.Process/List", json={}, headers=crossed)
+    assert refused.status_code == 401 and refused.json()["code"] == "unauthenticated"
+    # e2b 2.7's Sandbox.connect sends the token and no sandbox id.
+    by_token = await e2b.get(f"{E2B}/files", params={"path": "/nowhere"},
+                             headers={"X-Access-Token": second["envdAccessToken"]})
+    assert by_token.status_code == 404 and by_token.json()["code"] == 404
+
+    await e2b.delete(f"{E2B}/sandboxes/{first['sandboxID']}")
+    # What the SDKs read as "the sandbox is not running": unavailable or 502, "... was not found".
+    gone = await e2b.post(f"{E2B}/process.Process/List", json={}, headers=envd_headers(first))
+    assert gone.status_code == 503 and gone.json()["code"] == "unavailable" and "was not found" in gone.json()["message"]
+    files_gone = await e2b.get(f"{E2B}/files", params={"path": "/x"}, headers=envd_headers(first))
+    assert files_gone.status_code == 502 and "was not found" in files_gone.json()["message"]
+    assert files_gone.headers["should-retry"] == "false"
+
+
+async def test_files_go_up_as_multipart_or_octets_and_come_back(plane, e2b):
+    sandbox = await new_sandbox(e2b)
+    headers = envd_headers(sandbox)
+    multipart = await e2b.post(f"{E2B}/files", headers=headers,
+                               files=[("file", ("/home/user/a.txt", b"A")), ("file", ("b.txt", b"B"))])
+    assert multipart.json() == [{"name": "a.txt", "type": "file", "path": "/home/user/a.txt"},
+                                {"name": "b.txt", "type": "file", "path": "/home/user/b.txt"}]
+    octets = await e2b.post(f"{E2B}/files", params={"path": "/tmp/c.bin", "username": "root"},
+                            headers={**headers, "content-type": "application/octet-stream"}, content=b"\x00\xff")
+    assert octets.json() == [{"name": "c.bin", "type": "file", "path": "/tmp/c.bin"}]
+    back = await e2b.get(f"{E2B}/files", params={"path": "/tmp/c.bin"}, headers=headers)
+    assert back.status_code == 200 and back.content == b"\x00\xff"
+    nameless = await e2b.post(f"{E2B}/files", headers={**headers, "content-type": "application/octet-stream"},
+                              content=b"x")
+    assert nameless.status_code == 400 and "path" in nameless.json()["message"]
+
+
+async def test_a_stream_that_cannot_start_is_a_plain_connect_error(plane, e2b):
+    sandbox = await new_sandbox(e2b)
+    bad = await e2b.post(f"{E2B}/process.Process/Start", content=envelope({"process": {"cmd": ""}}),
+                         headers={**envd_headers(sandbox), "content-type": "application/connect+json"})
+    assert bad.status_code == 400 and bad.json()["code"] == "invalid_argument" and "process.cmd" in bad.json()["message"]
+    garbled = await e2b.post(f"{E2B}/process.Process/Start", content=b"\x00\x00\x00\x00\x10{",
+                             headers={**envd_headers(sandbox), "content-type": "application/connect+json"})
+    assert garbled.status_code == 400 and garbled.json()["code"] == "invalid_argument"
