@@ -164,14 +164,21 @@ async def run_checks(sandbox, holder: dict) -> None:
         owner = await step(sandbox.commands.run, "stat -c %U /home/user/notes/hello.txt")
         assert owner.stdout == "user\n", owner.stdout
 
-    async def close_stdin():
+    async def streamed_stdin():
         if not hasattr(sandbox.commands, "close_stdin"):
-            return "this e2b release cannot close a command's stdin"
+            return "this e2b release can neither stream stdin nor close it"
         handle = await step(sandbox.commands.run, "wc -c", background=True, stdin=True)
         await step(sandbox.commands.send_stdin, handle.pid, "12345")
+        chunks = [b"ab", "cd", b"\xff"]  # StreamInput: a client-streaming call
+        if FLAVOR == "async":
+            async with sandbox.commands.stream_input(handle.pid) as stream:
+                for chunk in chunks:
+                    await stream.send(chunk)
+        else:
+            await step(sandbox.commands.stream_input, handle.pid, iter(chunks))
         await step(sandbox.commands.close_stdin, handle.pid)
         result = await step(handle.wait)
-        assert result.stdout.strip() == "5", result.stdout
+        assert result.stdout.strip() == "10", result.stdout
 
     async def pty():
         output = bytearray()
@@ -312,7 +319,7 @@ async def run_checks(sandbox, holder: dict) -> None:
         assert doomed.sandbox_id not in {item.sandbox_id for item in await step(SANDBOX.list().next_items)}
 
     for name, body in [
-        ("commands", commands), ("background_kill", background_kill), ("stdin", stdin), ("close_stdin", close_stdin),
+        ("commands", commands), ("background_kill", background_kill), ("stdin", stdin), ("streamed_stdin", streamed_stdin),
         ("pty", pty), ("files", files), ("watch", watch), ("start_holder", start_holder), ("pause_connect", pause_connect), ("reconnect_stream", reconnect_stream),
         ("fork", fork), ("snapshot", snapshot), ("listing", listing), ("timeout_expiry", timeout_expiry),
         ("wrong_key", wrong_key), ("unsupported", unsupported), ("kill", kill),

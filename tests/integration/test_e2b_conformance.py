@@ -26,12 +26,12 @@ OLDEST_WITH_SANDBOX_URL = "2.7.0"  # E2B_SANDBOX_URL came in 2.7.0
 SCENARIO = Path(__file__).parent.parent / "e2b_scenario.py"
 TEMPLATE = "e2b-booted"
 CHECKS = [
-    "commands", "background_kill", "stdin", "close_stdin", "pty", "files", "watch", "start_holder",
+    "commands", "background_kill", "stdin", "streamed_stdin", "pty", "files", "watch", "start_holder",
     "pause_connect", "reconnect_stream", "fork", "snapshot", "listing", "timeout_expiry", "wrong_key",
     "unsupported", "kill",
 ]
 # Calls the oldest release does not have at all, so it cannot make those checks.
-MISSING_IN_OLDEST = {"close_stdin", "fork", "snapshot"}
+MISSING_IN_OLDEST = {"streamed_stdin", "fork", "snapshot"}
 
 
 def sdk_python(version: str) -> Path:
