@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-from conftest import image_home
+from conftest import failed, image_home
 
 from boxd import Boxd
 from boxd.config import images_dir, shm_dir, vms_dir
@@ -120,6 +120,11 @@ def _delete_every_vm(home: Path) -> None:
         await runtime.close()
 
     asyncio.run(sweep())
+
+
+def print_log_if_failed(request, daemon: DaemonProcess) -> None:
+    if failed(request):
+        print(f"\n--- daemon log of {request.node.nodeid} ---\n{daemon.log()}")
 
 
 @contextlib.contextmanager

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import failed
-from daemon_process import running_daemon
+from daemon_process import print_log_if_failed, running_daemon
 
 from boxd.daemon import socket_path
 from boxd.errors import AuthError, NotFound, QuotaExceeded
@@ -39,8 +38,7 @@ def daemon(guest_image):
 @pytest.fixture(autouse=True)
 def daemon_log_on_failure(request, daemon):
     yield
-    if failed(request):
-        print(f"\n--- daemon log of {request.node.nodeid} ---\n{daemon.log()}")
+    print_log_if_failed(request, daemon)
 
 
 def test_cli_and_the_seed_sdk_flow(daemon, tmp_path, monkeypatch):

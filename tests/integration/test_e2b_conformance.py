@@ -16,8 +16,8 @@ import venv
 from pathlib import Path
 
 import pytest
-from conftest import failed, image_home
-from daemon_process import running_daemon
+from conftest import image_home
+from daemon_process import print_log_if_failed, running_daemon
 
 pytestmark = pytest.mark.vm
 
@@ -60,8 +60,7 @@ def e2b_daemon(guest_image):
 @pytest.fixture(autouse=True)
 def daemon_log_on_failure(request, e2b_daemon):
     yield
-    if failed(request):
-        print(f"\n--- daemon log of {request.node.nodeid} ---\n{e2b_daemon.log()}")
+    print_log_if_failed(request, e2b_daemon)
 
 
 @pytest.mark.timeout(1200)

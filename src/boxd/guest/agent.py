@@ -634,37 +634,29 @@ class Agent:
         try:
             result = handler(request) or {}
             message = {"id": request_id, "type": "result", **result}
-        except AgentFault as fault:
-            message = _error(request_id, fault.code, str(fault), fault.field)
-        except OSError as error:
-            fault = _fault_from_oserror(error, request.get("path", ""))
-            message = _error(request_id, fault.code, str(fault), fault.field)
         except Exception as error:  # a bug here must not take the agent down
-            message = _error(request_id, "internal", f"{type(error).__name__}: {error}")
+            message = _failure(request_id, error, request)
         self.finish(request_id, message)
 
-    def _exec(self, request_id: str, request: dict) -> None:
+    def _begin(self, request_id: str, request: dict, kind):
+        """A process or a watch for a request, or None once its failure is answered."""
         try:
-            process = Process(self, request_id, request)
-        except AgentFault as fault:
-            self.finish(request_id, _error(request_id, fault.code, str(fault), fault.field))
-            return
+            return kind(self, request_id, request)
         except Exception as error:
-            self.finish(request_id, _error(request_id, "internal", f"{type(error).__name__}: {error}"))
+            self.finish(request_id, _failure(request_id, error, request))
+            return None
+
+    def _exec(self, request_id: str, request: dict) -> None:
+        process = self._begin(request_id, request, Process)
+        if process is None:
             return
         with self.lock:
             self.processes[request_id] = process
         process.run()
 
     def _watch(self, request_id: str, request: dict) -> None:
-        try:
-            watch = Watch(self, request_id, request)
-        except AgentFault as fault:
-            self.finish(request_id, _error(request_id, fault.code, str(fault), fault.field))
-            return
-        except OSError as error:
-            fault = _fault_from_oserror(error, request.get("path", ""))
-            self.finish(request_id, _error(request_id, fault.code, str(fault), fault.field))
+        watch = self._begin(request_id, request, Watch)
+        if watch is None:
             return
         with self.lock:
             self.watches[request_id] = watch
@@ -883,6 +875,15 @@ class Agent:
         os.makedirs(os.path.dirname(destination), exist_ok=True)
         os.rename(source, destination)
         return {"entry": _entry(destination)}
+
+
+def _failure(request_id: str, error: Exception, request: dict) -> dict:
+    """The error answer for what a request raised: a fault as it says, an OS error by its errno."""
+    if isinstance(error, OSError):
+        error = _fault_from_oserror(error, request.get("path", ""))
+    if isinstance(error, AgentFault):
+        return _error(request_id, error.code, str(error), error.field)
+    return _error(request_id, "internal", f"{type(error).__name__}: {error}")
 
 
 def _error(request_id: str, code: str, message: str, field: str | None = None) -> dict:
