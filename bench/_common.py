@@ -381,3 +381,126 @@ async def sweep(shm_dir: Path) -> None:
         if not run_dir.is_dir():
             continue
         await stop_processes(run_dir)
+
+
+# -- a process whose memory can be told apart ---------------------------------------------
+
+HOLDER_PATH = "/home/boxd/holder.py"
+# Fills (and holds) some memory with random bytes, then keeps a random token in memory
+# only: it writes the token to /tmp/token when /tmp/ask appears, draws a new one when
+# /tmp/rotate appears, and writes the CRC-32 of the held bytes to /tmp/crc when /tmp/sum
+# appears. Both can only come back after a restore or a wake if the process's memory does.
+HOLDER = r"""
+import os, secrets, sys, time, zlib
+size = int(sys.argv[1]) << 20
+held = bytearray(size)
+view = memoryview(held)
+with open("/dev/urandom", "rb", buffering=0) as source:  # straight in: no second copy
+    for offset in range(0, size, 1 << 20):
+        source.readinto(view[offset : offset + (1 << 20)])
+token = secrets.token_hex(16)
+open("/tmp/filled", "w").close()
+
+def answer(name, text):
+    with open(f"/tmp/{name}.part", "w") as out:
+        out.write(text)
+    os.replace(f"/tmp/{name}.part", f"/tmp/{name}")
+
+while True:
+    if os.path.exists("/tmp/rotate"):
+        token = secrets.token_hex(16)
+        os.unlink("/tmp/rotate")
+    if os.path.exists("/tmp/ask"):
+        os.unlink("/tmp/ask")
+        answer("token", token)
+    if os.path.exists("/tmp/sum"):
+        os.unlink("/tmp/sum")
+        answer("crc", f"{zlib.crc32(held):08x}")
+    time.sleep(0.02)
+"""
+
+# Bounded waits, so that a holder that did not come back reads as "missing" instead of
+# hanging the bench: 30 s for the token, 120 s for the CRC (150 MiB under TCG).
+ASK = (
+    "rm -f /tmp/token; touch /tmp/ask; "
+    "for i in $(seq 600); do [ -s /tmp/token ] && break; sleep 0.05; done; "
+    "cat /tmp/token 2>/dev/null || echo missing"
+)
+SUM = (
+    "rm -f /tmp/crc; touch /tmp/sum; "
+    "for i in $(seq 2400); do [ -s /tmp/crc ] && break; sleep 0.05; done; "
+    "cat /tmp/crc 2>/dev/null || echo missing"
+)
+ROTATE = "touch /tmp/rotate; for i in $(seq 600); do [ -e /tmp/rotate ] || break; sleep 0.05; done"
+
+
+class HolderBench:
+    """A bench whose machines run the holder: starting it, asking it, and what a guest
+    says of its memory."""
+
+    def __init__(self, bench: Bench) -> None:
+        self.bench = bench
+        self.runtime = bench.runtime
+        self.tag = os.getpid() % 10000
+
+    async def settle(self, seconds: float = 0.5) -> None:
+        """Let the runtime's background work (hole punching of a capture's RAM file, the
+        guest clock set after a wake) end, so that it does not land in the next measurement."""
+        pending = list(getattr(self.runtime, "_background", ()))
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        await asyncio.sleep(seconds)
+
+    async def token(self, vm_id: str) -> str:
+        return await self.bench.sh(vm_id, ASK, timeout=60)
+
+    async def crc(self, vm_id: str) -> str:
+        return await self.bench.sh(vm_id, SUM, timeout=180)
+
+    async def start_holder(self, vm_id: str, fill_mib: int) -> None:
+        bench = self.bench
+        await self.runtime.write_file(vm_id, HOLDER_PATH, chunks_of(HOLDER.encode()))
+        await bench.sh(vm_id, f"nohup python3 {HOLDER_PATH} {fill_mib} >/tmp/holder.log 2>&1 &")
+        deadline = time.monotonic() + 600
+        while await bench.sh(vm_id, "test -e /tmp/filled && echo yes || echo no") != "yes":
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{vm_id}: filling {fill_mib} MiB took over 10 min")
+            if await bench.sh(vm_id, "pgrep -f holder.py >/dev/null && echo up || echo down") == "down":
+                log_text = await bench.sh(vm_id, "cat /tmp/holder.log; dmesg | grep -i 'killed process' | tail -1")
+                raise RuntimeError(f"{vm_id}: the holder died: {log_text}")
+            await asyncio.sleep(1)
+
+    async def guest_memory(self, vm_id: str) -> dict[str, int]:
+        """``free -b`` in the guest: its RAM as the kernel sees it, used, and shared (tmpfs)."""
+        total, used, shared = (await self.bench.sh(vm_id, "free -b | awk '/Mem:/ {print $2, $3, $5}'")).split()
+        return {"total": int(total), "used": int(used), "shared": int(shared)}
+
+    async def fresh_boots(
+        self, report: Report, prefix: str, runs: int, memory_mib: int, timeout: float
+    ) -> tuple[str, list[float]]:
+        """The baseline: ``runs`` fresh boots, of which the last machine stays; returns it
+        and each boot's time to a ready agent."""
+        bench = self.bench
+        boots = []
+        for index in range(runs):
+            vm_id = f"{prefix}{self.tag}-{index}"
+            with console.status(f"baseline: fresh boot {index + 1}/{runs}"):
+                boots.append(await bench.boot(vm_id, memory_mib=memory_mib, timeout=timeout))
+            console.print(f"fresh boot {index + 1}: {ms(boots[-1]['ready_s'])} "
+                          f"(QEMU started after {ms(boots[-1]['qemu_started_s'])})")
+            if index < runs - 1:
+                await bench.delete(vm_id)
+        boot_values = [b["ready_s"] for b in boots]
+        launches = [b["qemu_started_s"] for b in boots]
+        report.results["fresh_boot"] = summary(boot_values) | {"qemu_started_s": launches}
+        report.table(
+            "Baseline: fresh boot, create -> agent answering",
+            ["metric", "value"],
+            [
+                ["machine", f"{memory_mib} MiB, {self.runtime.accelerator.name}"],
+                ["median", ms(median(boot_values))],
+                ["all runs", ", ".join(ms(x) for x in boot_values)],
+                ["of which QEMU launch (median)", ms(median(launches))],
+            ],
+        )
+        return f"{prefix}{self.tag}-{runs - 1}", boot_values

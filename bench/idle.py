@@ -30,7 +30,6 @@ the held bytes is compared too.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from typing import Any, Self
 
@@ -39,7 +38,9 @@ from boxd.runtime.local import LocalRuntime
 from boxd.runtime.qemu import Monitor, process_alive, read_pid
 
 from _common import (
+    ROTATE,
     Bench,
+    HolderBench,
     MiB,
     Report,
     allocated_bytes,
@@ -59,54 +60,6 @@ from _common import (
 
 MEMORY_MIB = 512
 READY_TIMEOUT = 180
-HOLDER_PATH = "/home/boxd/holder.py"
-
-# Fills (and holds) some memory with random bytes, then keeps a random token in memory
-# only: it writes the token to /tmp/token when /tmp/ask appears, draws a new one when
-# /tmp/rotate appears, and writes the CRC-32 of the held bytes to /tmp/crc when /tmp/sum
-# appears. Both can only come back after a wake if the process's memory does.
-HOLDER = r"""
-import os, secrets, sys, time, zlib
-size = int(sys.argv[1]) << 20
-held = bytearray(size)
-view = memoryview(held)
-with open("/dev/urandom", "rb", buffering=0) as source:  # straight in: no second copy
-    for offset in range(0, size, 1 << 20):
-        source.readinto(view[offset : offset + (1 << 20)])
-token = secrets.token_hex(16)
-open("/tmp/filled", "w").close()
-
-def answer(name, text):
-    with open(f"/tmp/{name}.part", "w") as out:
-        out.write(text)
-    os.replace(f"/tmp/{name}.part", f"/tmp/{name}")
-
-while True:
-    if os.path.exists("/tmp/rotate"):
-        token = secrets.token_hex(16)
-        os.unlink("/tmp/rotate")
-    if os.path.exists("/tmp/ask"):
-        os.unlink("/tmp/ask")
-        answer("token", token)
-    if os.path.exists("/tmp/sum"):
-        os.unlink("/tmp/sum")
-        answer("crc", f"{zlib.crc32(held):08x}")
-    time.sleep(0.02)
-"""
-
-# Bounded waits, so that a holder that did not come back reads as "missing" instead of
-# hanging the bench: 30 s for the token, 120 s for the CRC (150 MiB under TCG).
-ASK = (
-    "rm -f /tmp/token; touch /tmp/ask; "
-    "for i in $(seq 600); do [ -s /tmp/token ] && break; sleep 0.05; done; "
-    "cat /tmp/token 2>/dev/null || echo missing"
-)
-SUM = (
-    "rm -f /tmp/crc; touch /tmp/sum; "
-    "for i in $(seq 2400); do [ -s /tmp/crc ] && break; sleep 0.05; done; "
-    "cat /tmp/crc 2>/dev/null || echo missing"
-)
-ROTATE = "touch /tmp/rotate; for i in $(seq 600); do [ -e /tmp/rotate ] || break; sleep 0.05; done"
 
 
 class Calls:
@@ -170,48 +123,10 @@ def fine(seconds: float | None) -> str:
     return ms(seconds)
 
 
-async def _one(data: bytes):
-    yield data
-
-
-class IdleBench:
+class IdleBench(HolderBench):
     def __init__(self, bench: Bench, calls: Calls) -> None:
-        self.bench = bench
-        self.runtime = bench.runtime
+        super().__init__(bench)
         self.calls = calls
-        self.tag = os.getpid() % 10000
-
-    async def settle(self, seconds: float = 0.2) -> None:
-        """Let the runtime's background work (the guest clock set after a wake) end, so
-        that it does not land in the next measurement."""
-        pending = list(getattr(self.runtime, "_background", ()))
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
-        await asyncio.sleep(seconds)
-
-    async def token(self, vm_id: str) -> str:
-        return await self.bench.sh(vm_id, ASK, timeout=60)
-
-    async def crc(self, vm_id: str) -> str:
-        return await self.bench.sh(vm_id, SUM, timeout=180)
-
-    async def start_holder(self, vm_id: str, fill_mib: int) -> None:
-        bench = self.bench
-        await self.runtime.write_file(vm_id, HOLDER_PATH, _one(HOLDER.encode()))
-        await bench.sh(vm_id, f"nohup python3 {HOLDER_PATH} {fill_mib} >/tmp/holder.log 2>&1 &")
-        deadline = time.monotonic() + 600
-        while await bench.sh(vm_id, "test -e /tmp/filled && echo yes || echo no") != "yes":
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{vm_id}: filling {fill_mib} MiB took over 10 min")
-            if await bench.sh(vm_id, "pgrep -f holder.py >/dev/null && echo up || echo down") == "down":
-                log_text = await bench.sh(vm_id, "cat /tmp/holder.log; dmesg | grep -i 'killed process' | tail -1")
-                raise RuntimeError(f"{vm_id}: the holder died: {log_text}")
-            await asyncio.sleep(1)
-
-    async def guest_memory(self, vm_id: str) -> dict[str, int]:
-        """``free -b`` in the guest: its RAM as the kernel sees it, used, and shared (tmpfs)."""
-        total, used, shared = (await self.bench.sh(vm_id, "free -b | awk '/Mem:/ {print $2, $3, $5}'")).split()
-        return {"total": int(total), "used": int(used), "shared": int(shared)}
 
     async def vcpu_status(self, vm_id: str) -> str:
         """QEMU's own run state (``query-status``), asked outside any timed stretch."""
@@ -254,7 +169,7 @@ class IdleBench:
     async def suspend_cycle(self, vm_id: str, expected: str, hold: float) -> dict[str, Any]:
         """suspend(), --hold seconds stopped, resume() and an exec of ``true`` right after."""
         runtime = self.runtime
-        await self.settle()
+        await self.settle(0.2)
         started = time.perf_counter()
         await runtime.suspend(vm_id)
         suspended = time.perf_counter()
@@ -397,32 +312,10 @@ async def main(args) -> None:
         results = report.results
         with Calls(runtime) as calls:
             ib = IdleBench(bench, calls)
-            tag = ib.tag
 
             # -- baseline: fresh boots; the last one stays and idles ---------------------
-            boots = []
-            for index in range(hibernations):
-                vm_id = f"i{tag}-{index}"
-                with console.status(f"baseline: fresh boot {index + 1}/{hibernations}"):
-                    boots.append(await bench.boot(vm_id, memory_mib=MEMORY_MIB, timeout=READY_TIMEOUT))
-                console.print(f"fresh boot {index + 1}: {ms(boots[-1]['ready_s'])} "
-                              f"(QEMU started after {ms(boots[-1]['qemu_started_s'])})")
-                if index < hibernations - 1:
-                    await bench.delete(vm_id)
-            vm = f"i{tag}-{hibernations - 1}"
-            boot_values = [b["ready_s"] for b in boots]
+            vm, boot_values = await ib.fresh_boots(report, "i", hibernations, MEMORY_MIB, READY_TIMEOUT)
             boot = median(boot_values)
-            results["fresh_boot"] = summary(boot_values) | {"qemu_started_s": [b["qemu_started_s"] for b in boots]}
-            report.table(
-                "Baseline: fresh boot, create -> agent answering",
-                ["metric", "value"],
-                [
-                    ["machine", f"{MEMORY_MIB} MiB, {runtime.accelerator.name}"],
-                    ["median", ms(boot)],
-                    ["all runs", ", ".join(ms(x) for x in boot_values)],
-                    ["of which QEMU launch (median)", ms(median([b["qemu_started_s"] for b in boots]))],
-                ],
-            )
 
             # -- the machine: a process holds random bytes and a token -------------------
             with console.status(f"{vm}: a process fills and holds {fill_mib} MiB of random bytes"):

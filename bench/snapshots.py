@@ -24,13 +24,13 @@ random bytes and a random token that exists only in its memory:
 
 from __future__ import annotations
 
-import asyncio
-import os
 import time
 from typing import Any
 
 from _common import (
+    ROTATE,
     Bench,
+    HolderBench,
     LogCapture,
     MiB,
     Report,
@@ -49,84 +49,9 @@ from _common import (
 
 MEMORY_MIB = 512
 READY_TIMEOUT = 180
-HOLDER_PATH = "/home/boxd/holder.py"
-
-# Fills (and holds) some memory with random bytes, then keeps a random token in memory
-# only: it writes the token to /tmp/token when /tmp/ask appears, and draws a new one
-# when /tmp/rotate appears. The token can only come back after a restore if the
-# process's memory does.
-HOLDER = r"""
-import os, secrets, sys, time
-size = int(sys.argv[1]) << 20
-held = bytearray(size)
-view = memoryview(held)
-with open("/dev/urandom", "rb", buffering=0) as source:  # straight in: no second copy
-    for offset in range(0, size, 1 << 20):
-        source.readinto(view[offset : offset + (1 << 20)])
-token = secrets.token_hex(16)
-open("/tmp/filled", "w").close()
-while True:
-    if os.path.exists("/tmp/rotate"):
-        token = secrets.token_hex(16)
-        os.unlink("/tmp/rotate")
-    if os.path.exists("/tmp/ask"):
-        os.unlink("/tmp/ask")
-        with open("/tmp/token.part", "w") as out:
-            out.write(token)
-        os.replace("/tmp/token.part", "/tmp/token")
-    time.sleep(0.02)
-"""
-
-# Bounded waits (30 s), so that a holder that did not come back reads as "missing"
-# instead of hanging the bench.
-ASK = (
-    "rm -f /tmp/token; touch /tmp/ask; "
-    "for i in $(seq 600); do [ -s /tmp/token ] && break; sleep 0.05; done; "
-    "cat /tmp/token 2>/dev/null || echo missing"
-)
-ROTATE = "touch /tmp/rotate; for i in $(seq 600); do [ -e /tmp/rotate ] || break; sleep 0.05; done"
 
 
-async def _one(data: bytes):
-    yield data
-
-
-class SnapshotBench:
-    def __init__(self, bench: Bench, args) -> None:
-        self.bench = bench
-        self.runtime = bench.runtime
-        self.args = args
-        self.tag = os.getpid() % 10000
-
-    async def settle(self) -> None:
-        """Let the runtime's background work (hole punching of a capture's RAM file)
-        end, so that it does not land in the next measurement."""
-        pending = list(getattr(self.runtime, "_background", ()))
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
-        await asyncio.sleep(0.5)
-
-    async def token(self, vm_id: str) -> str:
-        return await self.bench.sh(vm_id, ASK, timeout=60)
-
-    async def start_holder(self, vm_id: str, fill_mib: int) -> None:
-        bench = self.bench
-        await self.runtime.write_file(vm_id, HOLDER_PATH, _one(HOLDER.encode()))
-        await bench.sh(vm_id, f"nohup python3 {HOLDER_PATH} {fill_mib} >/tmp/holder.log 2>&1 &")
-        deadline = time.monotonic() + 600
-        while await bench.sh(vm_id, "test -e /tmp/filled && echo yes || echo no") != "yes":
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{vm_id}: filling {fill_mib} MiB took over 10 min")
-            if await bench.sh(vm_id, "pgrep -f holder.py >/dev/null && echo up || echo down") == "down":
-                log_text = await bench.sh(vm_id, "cat /tmp/holder.log; dmesg | grep -i 'killed process' | tail -1")
-                raise RuntimeError(f"{vm_id}: the holder died: {log_text}")
-            await asyncio.sleep(1)
-
-    async def guest_memory(self, vm_id: str) -> dict[str, int]:
-        """``free -b`` in the guest: its RAM as the kernel sees it, used, and shared (tmpfs)."""
-        total, used, shared = (await self.bench.sh(vm_id, "free -b | awk '/Mem:/ {print $2, $3, $5}'")).split()
-        return {"total": int(total), "used": int(used), "shared": int(shared)}
-
+class SnapshotBench(HolderBench):
     async def from_snapshot(self, vm_id: str, digest: str, expected: str) -> dict[str, Any]:
         """A new machine at the snapshot's instant: create() until its agent answers."""
         runtime = self.runtime
@@ -165,29 +90,8 @@ async def main(args) -> None:
         tag = sb.tag
         with LogCapture("boxd.runtime.local") as logs:
             # -- baseline: fresh boots; the last one stays and is checkpointed ---------------
-            boots = []
-            for index in range(runs):
-                vm_id = f"b{tag}-{index}"
-                with console.status(f"baseline: fresh boot {index + 1}/{runs}"):
-                    boots.append(await bench.boot(vm_id, memory_mib=MEMORY_MIB, timeout=READY_TIMEOUT))
-                console.print(f"fresh boot {index + 1}: {ms(boots[-1]['ready_s'])} "
-                              f"(QEMU started after {ms(boots[-1]['qemu_started_s'])})")
-                if index < runs - 1:
-                    await bench.delete(vm_id)
-            vm = f"b{tag}-{runs - 1}"
-            boot_values = [b["ready_s"] for b in boots]
+            vm, boot_values = await sb.fresh_boots(report, "b", runs, MEMORY_MIB, READY_TIMEOUT)
             boot = median(boot_values)
-            results["fresh_boot"] = summary(boot_values) | {"qemu_started_s": [b["qemu_started_s"] for b in boots]}
-            report.table(
-                "Baseline: fresh boot, create -> agent answering",
-                ["metric", "value"],
-                [
-                    ["machine", f"{MEMORY_MIB} MiB, {runtime.accelerator.name}"],
-                    ["median", ms(boot)],
-                    ["all runs", ", ".join(ms(x) for x in boot_values)],
-                    ["of which QEMU launch (median)", ms(median([b["qemu_started_s"] for b in boots]))],
-                ],
-            )
 
             # -- the machine: a process holds random bytes and a token -----------------------
             with console.status(f"{vm}: a process fills and holds {fill_mib} MiB of random bytes"):

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -39,8 +39,9 @@ def _free_port() -> int:
 class DaemonProcess:
     """``boxd serve`` as a user runs it, in a process of its own session."""
 
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, serve_args: tuple[str, ...] = ()) -> None:
         self.home = home
+        self.serve_args = serve_args
         self.port = _free_port()
         self.process: subprocess.Popen | None = None
         self.env = {**os.environ, "BOXD_HOME": str(home)}
@@ -54,7 +55,7 @@ class DaemonProcess:
     def start(self) -> None:
         with open(log_path(self.home), "ab") as output:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "boxd", "serve", "--port", str(self.port)],
+                [sys.executable, "-m", "boxd", "serve", "--port", str(self.port), *self.serve_args],
                 env=self.env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
             )
         deadline = time.monotonic() + 30
@@ -128,16 +129,20 @@ def print_log_if_failed(request, daemon: DaemonProcess) -> None:
 
 
 @contextlib.contextmanager
-def running_daemon(prefix: str) -> Iterator[DaemonProcess]:
+def running_daemon(prefix: str, *serve_args: str, homes: Callable[[Path], list[Path]] | None = None
+                   ) -> Iterator[DaemonProcess]:
+    """A daemon in a fresh home; ``homes(home)`` names the state folders its machines may
+    be in besides that home (those of the host agents of a cluster), to be swept too."""
     home = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     # The image is built once per host (guest_image); this home only points at it.
     images_dir(home).symlink_to(images_dir(image_home()), target_is_directory=True)
-    process = DaemonProcess(home)
-    process.start()
+    process = DaemonProcess(home, serve_args)
     try:
+        process.start()
         yield process
     finally:
         process.stop()
-        _delete_every_vm(home)
-        shutil.rmtree(shm_dir(home), ignore_errors=True)
+        for state in [home, *(homes(home) if homes else [])]:
+            _delete_every_vm(state)
+            shutil.rmtree(shm_dir(state), ignore_errors=True)
         shutil.rmtree(home, ignore_errors=True)

@@ -297,6 +297,9 @@ class FakeRuntime:
     async def process(self, vm_id: str, op: str, **fields: Any) -> dict[str, Any]:
         raise NotImplementedError(op)
 
+    async def lost(self) -> list[str]:
+        return []
+
     async def watch(self, vm_id: str, path: str, *, recursive: bool = False) -> AsyncIterator[tuple[str, str]]:
         raise NotImplementedError("watch")
         yield  # an async generator, like the real one

@@ -56,6 +56,7 @@ class MachineState(str, enum.Enum):
     PAUSED = "paused"
     STOPPED = "stopped"
     FAILED = "failed"
+    LOST = "lost"  # its host died with it: kept on record, no longer counted
     DELETED = "deleted"
 
 
@@ -115,6 +116,7 @@ class Machine(BaseModel):
     public: bool = False
     url: str | None = Field(default=None, description="served by the daemon, proxied to http_port in the guest")
     parent: str | None = Field(default=None, description="the machine this one was forked from")
+    host: str | None = Field(default=None, description="the host that runs it, in a cluster")
     reason: str | None = Field(default=None, description="why the machine failed, when it did")
     created_at: datetime
     updated_at: datetime

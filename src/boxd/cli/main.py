@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -80,10 +81,21 @@ def cli() -> None:
     "--hibernate-after", type=float, default=IdlePolicy.hibernate_after_s, show_default=True,
     envvar="BOXD_HIBERNATE_AFTER", help="further idle seconds before a suspended machine hibernates (0: never)",
 )
-def serve(port: int, host: str, max_upload: int, suspend_after: float, hibernate_after: float) -> None:
+@click.option(
+    "--ray", "ray_address", metavar="ADDRESS", envvar="BOXD_RAY",
+    help="run machines on the hosts of this Ray cluster (e.g. auto, or HOST:6379); needs boxd[ray]",
+)
+@click.option(
+    "--host-root", type=click.Path(path_type=Path), envvar="BOXD_HOST_ROOT",
+    help="with --ray: where each node's host agent keeps its state, on that node [BOXD_HOME/hosts]",
+)
+def serve(port: int, host: str, max_upload: int, suspend_after: float, hibernate_after: float,
+          ray_address: str | None, host_root: Path | None) -> None:
     """Run the daemon: HTTP on HOST:PORT and the unix socket BOXD_HOME/boxd.sock.
 
-    Machine URLs (http://NAME.localhost:PORT/) are served on the same port.
+    Machine URLs (http://NAME.localhost:PORT/) are served on the same port. With --ray,
+    every Ray node that offers the boxd_host resource gets a host agent, and machines
+    are placed on those hosts.
     """
     from boxd.config import boxd_home
     from boxd.daemon.machines import Limits
@@ -92,7 +104,8 @@ def serve(port: int, host: str, max_upload: int, suspend_after: float, hibernate
     if suspend_after < 0 or hibernate_after < 0:
         raise click.BadParameter("idle times are seconds, 0 or more", param_hint="--suspend-after/--hibernate-after")
     idle = IdlePolicy(suspend_after_s=suspend_after, hibernate_after_s=hibernate_after)
-    run(boxd_home(), host=host, port=port, limits=Limits(max_upload_bytes=max_upload), idle=idle)
+    run(boxd_home(), host=host, port=port, limits=Limits(max_upload_bytes=max_upload), idle=idle,
+        ray_address=ray_address, host_root=host_root)
 
 
 cli.add_command(machine)

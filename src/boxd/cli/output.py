@@ -87,6 +87,7 @@ def machine(item: Machine) -> None:
             "id": item.id,
             "name": item.name,
             "state": _machine_state(item),
+            **({"host": item.host} if item.host else {}),
             "url": item.url,
             "public": "yes" if item.public else "no",
             "http port": item.http_port,
@@ -98,12 +99,15 @@ def machine(item: Machine) -> None:
 
 
 def machines(items: Iterable[Machine]) -> None:
+    items = list(items)
+    # The HOST column only where machines run on a cluster.
+    on_hosts = any(m.host for m in items)
     table(
-        ["NAME", "ID", "STATE", "VCPUS", "MEMORY", "DISK", "CREATED", "URL"],
+        ["NAME", "ID", "STATE", *(["HOST"] if on_hosts else []), "VCPUS", "MEMORY", "DISK", "CREATED", "URL"],
         [
             (
-                m.name, m.id, _machine_state(m), m.vcpus, f"{m.memory_mib} MiB", f"{m.disk_gib} GiB",
-                _when(m.created_at), m.url,
+                m.name, m.id, _machine_state(m), *([m.host or "-"] if on_hosts else []), m.vcpus,
+                f"{m.memory_mib} MiB", f"{m.disk_gib} GiB", _when(m.created_at), m.url,
             )
             for m in items
         ],

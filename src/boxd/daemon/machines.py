@@ -26,7 +26,7 @@ from boxd.daemon.auth import Keys
 from boxd.daemon.idle import Activity, IdlePolicy
 from boxd.daemon.logs import event
 from boxd.daemon.store import Store
-from boxd.errors import BoxdError, Conflict, InvalidInput, NotFound, Timeout, VMError
+from boxd.errors import BoxdError, Conflict, HostError, InvalidInput, NotFound, Timeout, VMError
 from boxd.models import (
     Checkpoint,
     ExecBody,
@@ -260,7 +260,9 @@ class MachineService:
             except BaseException as error:
                 self._fail(machine.id, reason_of(error))
                 raise
-            event(log, started, machine=machine.id, pid=info.pid, accelerator=info.accelerator)
+            if info.host is not None:
+                self._store.update_machine(machine.id, host=info.host)
+            event(log, started, machine=machine.id, pid=info.pid, accelerator=info.accelerator, host=info.host)
             self._watch_readiness(machine.id)
         return self._store.find_machine(account, machine.id)
 
@@ -313,6 +315,8 @@ class MachineService:
             info = await self.runtime.info(machine.id)
         except NotFound:
             info = None
+        except HostError:  # its host cannot be asked now; if it died, the lost watch says so
+            return machine
         if info is None or info.state is VMState.FAILED:
             reason = "its process exited" + (f"; console log: {info.console_log}" if info else "")
             return self._fail(machine.id, reason) or machine
@@ -334,8 +338,9 @@ class MachineService:
             task = self._becoming_ready.pop(machine_id, None)
             if task is not None:
                 task.cancel()
-            with contextlib.suppress(NotFound):  # the runtime has nothing left of it
-                await self.runtime.delete(machine_id)
+            if machine.state is not MachineState.LOST:  # a lost one went with its host
+                with contextlib.suppress(NotFound):  # the runtime has nothing left of it
+                    await self.runtime.delete(machine_id)
             deleted = self._store.mark_deleted(machine.id)
         self._lifecycle_locks.pop(machine_id, None)
         self._power_locks.pop(machine_id, None)
@@ -452,7 +457,18 @@ class MachineService:
     async def _watch_idle(self) -> None:
         while True:
             await asyncio.sleep(self.idle.check_every_s)
+            await self.mark_lost()
             await self.enforce_idle_policy()
+
+    async def mark_lost(self) -> None:
+        """Machines whose host died become ``lost``: on record, out of the quota."""
+        lost = set(await self.runtime.lost())
+        for machine in self._store.machines_on_host():
+            if machine.id in lost:
+                self._store.update_machine(machine.id, state=MachineState.LOST,
+                                           reason=f"its host {machine.host or '?'} is gone")
+                self.activity.forget(machine.id)
+                event(log, "machine.lost", level=logging.WARNING, machine=machine.id, host=machine.host)
 
     async def enforce_idle_policy(self) -> None:
         """One pass: suspend or hibernate every machine idle for long enough."""

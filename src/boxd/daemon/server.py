@@ -70,8 +70,14 @@ class Daemon:
         images: ImageCache | None = None,
         limits: Limits | None = None,
         idle: IdlePolicy | None = None,
+        ray_address: str | None = None,
+        host_root: Path | None = None,
     ) -> None:
+        """With ``ray_address`` machines run on the hosts of that Ray cluster, each host
+        keeping its state under ``host_root`` (default ``BOXD_HOME/hosts``) on its node."""
         self.home = home
+        self.ray_address = ray_address
+        self.host_root = host_root or home / "hosts"
         self.host, self.port = host, port
         self._runtime = runtime
         self._images = images or ImageCache.default(home)
@@ -97,12 +103,10 @@ class Daemon:
         self.port = listeners[0].getsockname()[1]
         store.url_format = f"http://{{name}}.localhost:{self.port}/"
         if self._runtime is None:
-            from boxd.runtime.local import LocalRuntime
-
             # Machines reach the API through their agent, at the TCP address (which
             # serves no admin calls), never through the unix socket.
             api_host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
-            self._runtime = LocalRuntime(self.home, api_address=(api_host, self.port))
+            self._runtime = await self._make_runtime((api_host, self.port))
         machines = MachineService(
             store, self._runtime, images=self._images, limits=self._limits, idle=self._idle, keys=keys
         )
@@ -116,6 +120,20 @@ class Daemon:
             unix_path.unlink(missing_ok=True)
             logs.event(log, "daemon.stopped", pid=os.getpid())
 
+    async def _make_runtime(self, api_address: tuple[str, int]) -> ClosableRuntime:
+        if self.ray_address is None:
+            from boxd.runtime.local import LocalRuntime
+
+            return LocalRuntime(self.home, api_address=api_address)
+        try:
+            from boxd.cluster.ray_runtime import RayRuntime
+        except ImportError:
+            raise HostError("--ray needs Ray: pip install 'boxd[ray]'") from None
+        runtime = RayRuntime(self.ray_address, host_root=self.host_root, api_address=api_address,
+                             daemon_home=self.home)
+        await runtime.start()
+        return runtime
+
     @property
     def started(self) -> bool:
         return self._server is not None and self._server.started
@@ -126,6 +144,8 @@ class Daemon:
             self._server.should_exit = True
 
 
-def run(home: Path, *, host: str, port: int, limits: Limits, idle: IdlePolicy) -> None:
+def run(home: Path, *, host: str, port: int, limits: Limits, idle: IdlePolicy, ray_address: str | None = None,
+        host_root: Path | None = None) -> None:
     logs.configure()
-    asyncio.run(Daemon(home, host=host, port=port, limits=limits, idle=idle).serve())
+    daemon = Daemon(home, host=host, port=port, limits=limits, idle=idle, ray_address=ray_address, host_root=host_root)
+    asyncio.run(daemon.serve())

@@ -129,6 +129,10 @@ MIGRATIONS: list[str] = [
     CREATE INDEX e2b_sandboxes_by_expiry ON e2b_sandboxes(expires_at);
     CREATE UNIQUE INDEX e2b_sandboxes_by_token ON e2b_sandboxes(access_token);
     """,
+    # 7: the host that runs a machine, when machines run on a cluster.
+    """
+    ALTER TABLE machines ADD COLUMN host TEXT;
+    """,
 ]
 
 _ALIVE = tuple(state.value for state in ALIVE_STATES)
@@ -176,6 +180,7 @@ def _machine(row: sqlite3.Row, url_format: str | None = None) -> Machine:
         isolated=bool(row["isolated"]),
         image=row["image"],
         parent=row["parent"],
+        host=row["host"],
         reason=row["reason"],
         created_at=_when(row["created_at"]),
         updated_at=_when(row["updated_at"]),
@@ -433,6 +438,7 @@ class Store:
         state: MachineState | None = None,
         reason: str | None = None,
         image: str | None = None,
+        host: str | None = None,
         only_from: MachineState | None = None,
     ) -> Machine | None:
         """Change a live machine; with ``only_from``, only if it is in that state still.
@@ -448,6 +454,9 @@ class Store:
         if image is not None:
             assignments.append("image = ?")
             values.append(image)
+        if host is not None:
+            assignments.append("host = ?")
+            values.append(host)
         condition = "id = ? AND deleted_at IS NULL"
         values.append(machine_id)
         if only_from is not None:

@@ -66,6 +66,7 @@ class VMInfo:
     console_log: str
     # The host port on 127.0.0.1 that leads to the guest's http_port (None while hibernated).
     url_port: int | None = None
+    host: str | None = None  # the host that runs it, when the runtime spans several
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,9 @@ class Runtime(Protocol):
     async def resume(self, vm_id: str) -> None:
         """Run a suspended machine again, or bring a hibernated one back; returns once its
         vCPUs run (a hibernated one is then not yet ready)."""
+
+    async def lost(self) -> list[str]:
+        """Machines whose host is gone (a dead node): nothing of them can come back."""
 
     async def collect_garbage(self) -> None:
         """Remove what no machine uses any more (disk layers, captures, stray templates)."""

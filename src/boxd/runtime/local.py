@@ -248,6 +248,10 @@ class LocalRuntime:
         partial.write_text(json.dumps(machine.to_dict(), indent=2))
         os.replace(partial, path)
 
+    def committed_memory_mib(self) -> int:
+        """Guest RAM of the machines this runtime holds that hold memory (not hibernated)."""
+        return sum(m.spec.memory_mib for m in self._machines.values() if not m.hibernated)
+
     def _machine(self, vm_id: str) -> Machine:
         machine = self._machines.get(vm_id)
         if machine is None:
@@ -424,6 +428,9 @@ class LocalRuntime:
         shutil.rmtree(self._run_dir(vm_id), ignore_errors=True)
         shutil.rmtree(self._vm_dir(vm_id), ignore_errors=True)
         await self.collect_garbage()
+
+    async def lost(self) -> list[str]:
+        return []  # one host: if it is gone, so is this process
 
     async def collect_garbage(self) -> None:
         """Remove disk layers and captures that no machine uses any more."""
