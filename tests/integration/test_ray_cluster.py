@@ -121,6 +121,22 @@ def test_exec_files_forks_and_checkpoints_go_to_the_owner(daemon, cluster):
     boxd.machines.delete(child.id)
 
 
+def test_a_snapshot_saved_on_one_host_starts_a_machine_on_another(daemon, cluster):
+    _, nodes = cluster
+    big, small = host_name(nodes["big"]), host_name(nodes["small"])
+    boxd = daemon.sdk()
+    on_small = next(m for m in boxd.machines.list() if m.host == small)
+    boxd.machines.exec(on_small.id, "echo saved-on-small > /home/boxd/origin")
+    boxd.snapshots.save(on_small.id, "from-small")
+    # The big host has the most room, so the new machine goes there, and the snapshot
+    # is copied to it from the small one (checked file by file against its manifest).
+    copy = boxd.machines.new("from-small-copy", from_snapshot="from-small")
+    assert copy.host == big
+    boxd.machines.wait_until_ready(copy.id, timeout=300)
+    assert boxd.machines.exec(copy.id, "cat /home/boxd/origin").stdout == "saved-on-small\n"
+    boxd.machines.delete(copy.id)
+
+
 def test_machines_outlive_their_host_agent(daemon, cluster):
     _, nodes = cluster
     big = host_name(nodes["big"])

@@ -21,6 +21,7 @@ from boxd.cluster.placement import HostLoad
 from boxd.errors import HostError, InvalidInput
 from boxd.runtime.agent_client import ExecEvent
 from boxd.runtime.interface import ExecRequest, VMSpec
+from boxd.runtime.snapshots import read_chunk, receive_snapshot, snapshot_digests
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,22 @@ class HostAgent:
         await self._adopt_all()
         async for change in self.runtime.watch(vm_id, path, recursive=recursive):
             yield change
+
+    # -- snapshots across hosts -------------------------------------------------------
+
+    async def snapshot_digests(self) -> list[str]:
+        return snapshot_digests(self.runtime.snapshots_dir)
+
+    async def snapshot_chunk(self, digest: str, name: str, offset: int, length: int) -> bytes:
+        return await asyncio.to_thread(read_chunk, self.runtime.snapshots_dir, digest, name, offset, length)
+
+    async def fetch_snapshot(self, digest: str, source: Any) -> int:
+        """Copy a snapshot from the host agent ``source`` (an actor); returns bytes copied."""
+
+        async def fetch(name: str, offset: int, length: int) -> bytes:
+            return await source.snapshot_chunk.remote(digest, name, offset, length)
+
+        return await receive_snapshot(self.runtime.snapshots_dir, digest, fetch)
 
     # -- uploads ----------------------------------------------------------------------
 

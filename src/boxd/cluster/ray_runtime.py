@@ -86,6 +86,8 @@ class RayRuntime:
         for host in self._live_hosts():
             for vm_id in await self._ask(host, host.handle.machine_ids.remote()):
                 self._owners[vm_id] = host.name
+            for digest in await self._ask(host, host.handle.snapshot_digests.remote()):
+                self._snapshot_hosts.setdefault(digest, set()).add(host.name)
         self._watch = asyncio.create_task(self._watch_hosts(), name="ray-hosts")
 
     def _live_hosts(self) -> list[_Host]:
@@ -161,7 +163,7 @@ class RayRuntime:
             if isinstance(cause, BoxdError):
                 raise cause from None
             raise VMError(f"host {host.name}: {type(cause).__name__}: {cause}") from None
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as error:
+        except ray.exceptions.RayError as error:  # the actor died, its node is gone, it cannot be placed...
             raise HostError(f"host {host.name} cannot be reached: {type(error).__name__}") from None
 
     def _owner(self, vm_id: str) -> _Host:
@@ -188,15 +190,16 @@ class RayRuntime:
     # -- the runtime interface --------------------------------------------------------
 
     async def create(self, vm_id: str, spec: VMSpec, *, snapshot: str | None = None) -> VMInfo:
+        """On the best host for it; from a snapshot, that host first copies the snapshot
+        from one that holds it, if it does not hold it itself."""
         loads = await self.loads()
-        if snapshot is not None:
-            holders = self._snapshot_hosts.get(snapshot, set())
-            loads = [load for load in loads if load.host in holders]
         tried = []
         for load in candidates(loads, spec.memory_mib):
             host = self._hosts[load.host]
             self._reserved_mib[host.name] = self._reserved_mib.get(host.name, 0) + spec.memory_mib
             try:
+                if snapshot is not None:
+                    await self._bring_snapshot(snapshot, host)
                 info = await self._ask(host, host.handle.call.remote("create", vm_id, spec, snapshot=snapshot))
             except HostError as error:  # full after all (disk, tmpfs): the next one
                 tried.append(f"{host.name}: {error.message}")
@@ -283,6 +286,17 @@ class RayRuntime:
         manifest = await self._call(vm_id, "save_snapshot", checkpoint_id)
         self._snapshot_hosts.setdefault(manifest.digest, set()).add(self._owner(vm_id).name)
         return manifest
+
+    async def _bring_snapshot(self, digest: str, host: _Host) -> None:
+        holders = self._snapshot_hosts.setdefault(digest, set())
+        if host.name in holders:
+            return
+        sources = [self._hosts[name] for name in holders if self._hosts[name].alive]
+        if not sources:
+            raise NotFound(f"snapshot {digest[:12]}: no live host holds it", field="snapshot")
+        copied = await self._ask(host, host.handle.fetch_snapshot.remote(digest, sources[0].handle))
+        holders.add(host.name)
+        log.info("snapshot %s copied from %s to %s: %d bytes", digest[:12], sources[0].name, host.name, copied)
 
     async def delete_snapshot(self, digest: str) -> None:
         for name in self._snapshot_hosts.pop(digest, set()):

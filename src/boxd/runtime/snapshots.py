@@ -24,9 +24,10 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
 import subprocess
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -223,3 +224,53 @@ def remove_partials(root: Path) -> None:
     for partial in root.glob(".partial-*"):
         with contextlib.suppress(OSError):
             shutil.rmtree(partial)
+
+
+ChunkReader = Callable[[str, int, int], Awaitable[bytes]]
+TRANSFER_CHUNK = 8 * 1024 * 1024
+
+
+def snapshot_digests(root: Path) -> list[str]:
+    """The snapshots this host holds whole (a save or a transfer still under way is not one)."""
+    return sorted(path.name for path in root.iterdir() if DIGEST.match(path.name) and (path / "manifest.json").exists())
+
+
+def read_chunk(root: Path, digest: str, name: str, offset: int, length: int) -> bytes:
+    """A piece of one of a snapshot's files, for a host that copies it."""
+    if not DIGEST.match(digest) or name not in {"manifest.json", *read_manifest(root, digest).data["files"]}:
+        raise NotFound(f"snapshot {digest[:12]}: no file {name!r}", field="snapshot")
+    with open(root / digest / name, "rb") as handle:
+        handle.seek(offset)
+        return handle.read(length)
+
+
+async def receive_snapshot(root: Path, digest: str, fetch: ChunkReader) -> int:
+    """Copy a snapshot from another host, piece by piece through ``fetch(name, offset,
+    length)``; every file is checked against the manifest before the copy is used, so a
+    cut or corrupt transfer leaves nothing behind. Returns the bytes copied."""
+    if (root / digest / "manifest.json").exists():
+        return 0
+    partial = root / f".partial-{secrets.token_hex(6)}"
+    folder = partial / digest
+    folder.mkdir(parents=True)
+    copied = 0
+    try:
+        (folder / "manifest.json").write_bytes(await fetch("manifest.json", 0, TRANSFER_CHUNK))
+        manifest = read_manifest(partial, digest)
+        for name, entry in manifest.data["files"].items():
+            with open(folder / name, "wb") as handle:
+                for offset in range(0, entry["size"], TRANSFER_CHUNK):
+                    data = await fetch(name, offset, TRANSFER_CHUNK)
+                    handle.write(data)
+                    copied += len(data)
+        await asyncio.to_thread(verify_files, partial, manifest)
+        for path in folder.iterdir():
+            fsync_path(path)
+        try:
+            os.rename(folder, root / digest)
+        except OSError:  # another transfer of it won the race: theirs is as good
+            pass
+        fsync_path(root)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return copied
