@@ -385,12 +385,8 @@ async def sweep(shm_dir: Path) -> None:
 
 # -- a process whose memory can be told apart ---------------------------------------------
 
-HOLDER_PATH = "/home/boxd/holder.py"
-# Fills (and holds) some memory with random bytes, then keeps a random token in memory
-# only: it writes the token to /tmp/token when /tmp/ask appears, draws a new one when
-# /tmp/rotate appears, and writes the CRC-32 of the held bytes to /tmp/crc when /tmp/sum
-# appears. Both can only come back after a restore or a wake if the process's memory does.
-HOLDER = r"""
+# How a guest script begins that fills (and holds) sys.argv[1] MiB with random bytes.
+FILL_MEMORY = r"""
 import os, secrets, sys, time, zlib
 size = int(sys.argv[1]) << 20
 held = bytearray(size)
@@ -398,6 +394,14 @@ view = memoryview(held)
 with open("/dev/urandom", "rb", buffering=0) as source:  # straight in: no second copy
     for offset in range(0, size, 1 << 20):
         source.readinto(view[offset : offset + (1 << 20)])
+"""
+
+HOLDER_PATH = "/home/boxd/holder.py"
+# Fills (and holds) some memory with random bytes, then keeps a random token in memory
+# only: it writes the token to /tmp/token when /tmp/ask appears, draws a new one when
+# /tmp/rotate appears, and writes the CRC-32 of the held bytes to /tmp/crc when /tmp/sum
+# appears. Both can only come back after a restore or a wake if the process's memory does.
+HOLDER = FILL_MEMORY + r"""
 token = secrets.token_hex(16)
 open("/tmp/filled", "w").close()
 
@@ -434,6 +438,23 @@ SUM = (
 ROTATE = "touch /tmp/rotate; for i in $(seq 600); do [ -e /tmp/rotate ] || break; sleep 0.05; done"
 
 
+async def start_filling(bench: Bench, vm_id: str, path: str, script: str, fill_mib: int) -> None:
+    """Run a guest script that fills ``fill_mib`` MiB of memory in the background, and
+    wait until it says so (/tmp/filled); one that dies says why (its log, the OOM killer)."""
+    assert bench.runtime is not None
+    name = Path(path).name
+    await bench.runtime.write_file(vm_id, path, chunks_of(script.encode()))
+    await bench.sh(vm_id, f"nohup python3 {path} {fill_mib} >/tmp/{name}.log 2>&1 &")
+    deadline = time.monotonic() + 600
+    while await bench.sh(vm_id, "test -e /tmp/filled && echo yes || echo no") != "yes":
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{vm_id}: filling {fill_mib} MiB took over 10 min")
+        if await bench.sh(vm_id, f"pgrep -f {name} >/dev/null && echo up || echo down") == "down":
+            log_text = await bench.sh(vm_id, f"cat /tmp/{name}.log; dmesg | grep -i 'killed process' | tail -1")
+            raise RuntimeError(f"{vm_id}: {name} died: {log_text}")
+        await asyncio.sleep(1)
+
+
 class HolderBench:
     """A bench whose machines run the holder: starting it, asking it, and what a guest
     says of its memory."""
@@ -458,17 +479,7 @@ class HolderBench:
         return await self.bench.sh(vm_id, SUM, timeout=180)
 
     async def start_holder(self, vm_id: str, fill_mib: int) -> None:
-        bench = self.bench
-        await self.runtime.write_file(vm_id, HOLDER_PATH, chunks_of(HOLDER.encode()))
-        await bench.sh(vm_id, f"nohup python3 {HOLDER_PATH} {fill_mib} >/tmp/holder.log 2>&1 &")
-        deadline = time.monotonic() + 600
-        while await bench.sh(vm_id, "test -e /tmp/filled && echo yes || echo no") != "yes":
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{vm_id}: filling {fill_mib} MiB took over 10 min")
-            if await bench.sh(vm_id, "pgrep -f holder.py >/dev/null && echo up || echo down") == "down":
-                log_text = await bench.sh(vm_id, "cat /tmp/holder.log; dmesg | grep -i 'killed process' | tail -1")
-                raise RuntimeError(f"{vm_id}: the holder died: {log_text}")
-            await asyncio.sleep(1)
+        await start_filling(self.bench, vm_id, HOLDER_PATH, HOLDER, fill_mib)
 
     async def guest_memory(self, vm_id: str) -> dict[str, int]:
         """``free -b`` in the guest: its RAM as the kernel sees it, used, and shared (tmpfs)."""

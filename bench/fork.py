@@ -36,6 +36,7 @@ from boxd.runtime.network import start_passt
 from boxd.runtime.qemu import Launch, Monitor, create_overlay, start_qemu
 
 from _common import (
+    FILL_MEMORY,
     Bench,
     LogCapture,
     MiB,
@@ -52,6 +53,7 @@ from _common import (
     percentile,
     run,
     smaps_rollup,
+    start_filling,
     summary,
 )
 
@@ -61,14 +63,7 @@ GAP_MS = 5  # the guest's recorder writes down every gap longer than this
 
 # Fills (and holds) some memory with random bytes, then records every gap of over
 # GAP_MS between 1 ms sleeps, by the guest's own monotonic and wall clocks.
-FILLER = r"""
-import os, sys, time
-size = int(sys.argv[1]) << 20
-held = bytearray(size)
-view = memoryview(held)
-with open("/dev/urandom", "rb", buffering=0) as source:  # straight in: no second copy
-    for offset in range(0, size, 1 << 20):
-        source.readinto(view[offset : offset + (1 << 20)])
+FILLER = FILL_MEMORY + r"""
 open("/tmp/filled", "w").close()
 out = open("/tmp/gaps", "a", buffering=1)
 mono, wall = time.monotonic(), time.time()
@@ -348,16 +343,7 @@ class ForkBench:
         source = f"p{self.tag}-{memory_mib}"
         with console.status(f"pause: booting a {memory_mib} MiB source, filling {fill_mib} MiB"):
             await bench.boot(source, memory_mib=memory_mib)
-            await runtime.write_file(source, "/tmp/filler.py", _one(FILLER.encode()))
-            await bench.sh(source, f"nohup python3 /tmp/filler.py {fill_mib} >/tmp/filler.log 2>&1 &")
-            deadline = time.monotonic() + 600
-            while await bench.sh(source, "test -e /tmp/filled && echo yes || echo no") != "yes":
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{source}: filling {fill_mib} MiB took over 10 min")
-                if await bench.sh(source, "pgrep -f filler.py >/dev/null && echo up || echo down") == "down":
-                    log_text = await bench.sh(source, "cat /tmp/filler.log; dmesg | grep -i 'killed process' | tail -1")
-                    raise RuntimeError(f"{source}: the filler died: {log_text}")
-                await asyncio.sleep(1)
+            await start_filling(bench, source, "/tmp/filler.py", FILLER, fill_mib)
         guest_used = await bench.sh(source, "free -m | awk '/Mem:/ {print $3}'")
 
         async def gaps() -> tuple[float, float]:
@@ -416,10 +402,6 @@ class ForkBench:
             "stop_500ms_seen_by_guest_ms": calibration,
             "pause_ms": summary([s["pause_ms"] for s in samples if s["pause_ms"] is not None]),
         }
-
-
-async def _one(data: bytes):
-    yield data
 
 
 def _median_phases(phase_dicts: list[dict[str, float]], labels: list[str]) -> dict[str, float]:

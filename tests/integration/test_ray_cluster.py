@@ -64,6 +64,11 @@ def host_name(node) -> str:
     return f"boxd-host-{node.node_id[:16]}"
 
 
+def ready_machine_on(boxd: Boxd, host: str):
+    machine = next(m for m in boxd.machines.list() if m.host == host)
+    return boxd.machines.wait_until_ready(machine.id, timeout=300)
+
+
 def wait_for(condition, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -102,8 +107,7 @@ def test_exec_files_forks_and_checkpoints_go_to_the_owner(daemon, cluster):
     _, nodes = cluster
     small = host_name(nodes["small"])
     boxd = daemon.sdk()
-    on_small = next(m for m in boxd.machines.list() if m.host == small)
-    boxd.machines.wait_until_ready(on_small.id, timeout=300)
+    on_small = ready_machine_on(boxd, small)
     assert boxd.machines.exec(on_small.id, "echo hi").stdout == "hi\n"
     payload = os.urandom(2 * 1024 * 1024)
     boxd.machines.files.upload(on_small.id, "/home/boxd/blob", payload)
@@ -125,7 +129,7 @@ def test_a_snapshot_saved_on_one_host_starts_a_machine_on_another(daemon, cluste
     _, nodes = cluster
     big, small = host_name(nodes["big"]), host_name(nodes["small"])
     boxd = daemon.sdk()
-    on_small = next(m for m in boxd.machines.list() if m.host == small)
+    on_small = ready_machine_on(boxd, small)
     boxd.machines.exec(on_small.id, "echo saved-on-small > /home/boxd/origin")
     boxd.snapshots.save(on_small.id, "from-small")
     # The big host has the most room, so the new machine goes there, and the snapshot
@@ -141,8 +145,7 @@ def test_machines_outlive_their_host_agent(daemon, cluster):
     _, nodes = cluster
     big = host_name(nodes["big"])
     boxd = daemon.sdk()
-    on_big = next(m for m in boxd.machines.list() if m.host == big)
-    boxd.machines.wait_until_ready(on_big.id, timeout=300)
+    on_big = ready_machine_on(boxd, big)
     boxd.machines.exec(on_big.id, "nohup sleep 1000 >/dev/null 2>&1 & echo $! > /tmp/sleeper")
     agent = ray.get_actor(big, namespace="boxd")
     old_pid = ray.get(agent.pid.remote())
