@@ -126,3 +126,36 @@ def test_a_save_that_fails_leaves_nothing_and_partials_of_a_crash_are_removed(tm
     (root / ".partial-123-abcd" / "ram.zst").write_bytes(b"half")
     remove_partials(root)
     assert list(root.iterdir()) == []
+
+
+def copy_between(source: Path, destination: Path, digest: str, *, spoil: str | None = None) -> int:
+    """What a host does to copy a snapshot from another, with the transfer in process."""
+
+    async def fetch(name: str, offset: int, length: int) -> bytes:
+        data = snapshots.read_chunk(source, digest, name, offset, length)
+        return b"X" * len(data) if name == spoil and offset == 0 else data
+
+    return asyncio.run(snapshots.receive_snapshot(destination, digest, fetch))
+
+
+def test_a_snapshot_copied_to_another_host_is_whole_and_checked(tmp_path, capture, monkeypatch):
+    source, destination = tmp_path / "a", tmp_path / "b"
+    destination.mkdir()
+    manifest = write(source, capture)
+    monkeypatch.setattr(snapshots, "TRANSFER_CHUNK", 4096)  # many pieces even for a small snapshot
+    copied = copy_between(source, destination, manifest.digest)
+    assert copied == manifest.size_bytes
+    assert snapshots.snapshot_digests(destination) == [manifest.digest]
+    verify_files(destination, read_manifest(destination, manifest.digest))
+    assert copy_between(source, destination, manifest.digest) == 0  # held already: nothing moves
+    with pytest.raises(NotFound):
+        snapshots.read_chunk(source, manifest.digest, "../../etc/passwd", 0, 10)
+
+
+def test_a_corrupt_transfer_leaves_nothing_behind(tmp_path, capture):
+    source, destination = tmp_path / "a", tmp_path / "b"
+    destination.mkdir()
+    manifest = write(source, capture)
+    with pytest.raises(SnapshotUnusable):
+        copy_between(source, destination, manifest.digest, spoil="ram.zst")
+    assert list(destination.iterdir()) == []
