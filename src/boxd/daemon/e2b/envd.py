@@ -18,11 +18,11 @@ from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
-from starlette.datastructures import UploadFile
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import UploadFile
 
 from boxd.daemon.e2b import envd_wire as wire
-from boxd.daemon.e2b.connect import ConnectError, parse_message, read_envelopes, server_stream, unary
+from boxd.daemon.e2b.connect import ConnectError, Message, parse_message, read_envelopes, server_stream, unary
 from boxd.daemon.e2b.service import SandboxService, Target
 from boxd.errors import BoxdError, InvalidInput, NotFound
 from boxd.runtime.agent_client import ExecEvent
@@ -66,7 +66,7 @@ def _timeout_of(request: Request) -> float | None:
         raise ConnectError("invalid_argument", f"connect-timeout-ms: not a number: {value!r}") from None
 
 
-async def _single_message(request: Request, model: type[wire.Message]) -> Any:
+async def _single_message(request: Request, model: type[Message]) -> Message:
     async for data in read_envelopes(request):
         return parse_message(model, data)
     raise ConnectError("invalid_argument", "the request stream holds no message")
@@ -148,28 +148,23 @@ async def _process_stream(events: AsyncIterator[ExecEvent], timeout: float | Non
             yield _as_message(item)
 
 
-def _selector_pid(selector: wire.ProcessSelector, processes: list[dict[str, Any]]) -> int:
-    if selector.pid is not None:
-        return selector.pid
-    if selector.tag:
-        for process in processes:
-            if process.get("tag") == selector.tag:
-                return int(process["pid"])
-        raise ConnectError("not_found", f"process with tag {selector.tag} not found")
-    raise ConnectError("invalid_argument", "process: give a pid or a tag")
-
-
 async def _pid(target: Target, selector: wire.ProcessSelector) -> int:
+    """The process a selector names: its pid, or the pid of the running process with its tag."""
     if selector.pid is not None:
         return selector.pid
-    listed = await target.service.machines.process_op(target.account, target.machine, "processes")
-    return _selector_pid(selector, listed["processes"])
+    if not selector.tag:
+        raise ConnectError("invalid_argument", "process: give a pid or a tag")
+    listed = await target.machines.process_op(target.account, target.machine, "processes")
+    for process in listed["processes"]:
+        if process.get("tag") == selector.tag:
+            return int(process["pid"])
+    raise ConnectError("not_found", f"process with tag {selector.tag} not found")
 
 
 async def _process_op(target: Target, op: str, selector: wire.ProcessSelector, **fields: Any) -> None:
     pid = await _pid(target, selector)
     try:
-        await target.service.machines.process_op(target.account, target.machine, op, pid=pid, **fields)
+        await target.machines.process_op(target.account, target.machine, op, pid=pid, **fields)
     except NotFound:
         raise ConnectError("not_found", f"process with pid {pid} not found") from None
 
@@ -188,7 +183,7 @@ async def process_start(request: Request) -> Response:
         tag=message.tag or None,
         pty=None if pty is None else {"rows": pty.rows or 24, "cols": pty.cols or 80},
     )
-    events = target.service.machines.run_process(target.account, target.machine, run)
+    events = target.machines.run_process(target.account, target.machine, run)
     # The first event (started, or the error that kept it from starting) comes before
     # the answer does: a command that cannot start is a plain error, not a stream.
     first = await _first(events)
@@ -213,7 +208,7 @@ async def process_connect(request: Request) -> Response:
     target = await _target(request)
     message: wire.ConnectRequest = await _single_message(request, wire.ConnectRequest)
     pid = await _pid(target, message.process)
-    events = target.service.machines.follow_process(target.account, target.machine, pid)
+    events = target.machines.follow_process(target.account, target.machine, pid)
     try:
         first = await _first(events)
     except ConnectError as error:
@@ -227,7 +222,7 @@ async def process_connect(request: Request) -> Response:
 async def process_list(request: Request) -> Response:
     async def handle(_: wire.ListRequest) -> wire.ListResponse:
         target = await _target(request)
-        listed = await target.service.machines.process_op(target.account, target.machine, "processes")
+        listed = await target.machines.process_op(target.account, target.machine, "processes")
         return wire.ListResponse(processes=[
             wire.ProcessInfo(
                 config=wire.ProcessConfig(cmd=p["argv"][0], args=p["argv"][1:], envs=p.get("env") or {}, cwd=p.get("cwd")),
@@ -336,7 +331,7 @@ async def _entry(target: Target, path: str) -> wire.EntryInfo:
 
 async def _fs(target: Target, op: str, **fields: Any) -> dict[str, Any]:
     try:
-        return await target.service.machines.fs_op(target.account, target.machine, op, **fields)
+        return await target.machines.fs_op(target.account, target.machine, op, **fields)
     except NotFound as error:
         raise ConnectError("not_found", error.message) from None
     except InvalidInput as error:

@@ -39,14 +39,10 @@ _PAUSED = (MachineState.PAUSED, MachineState.STOPPED)
 class Target:
     """The machine an envd call is for, and whose it is."""
 
-    service: "SandboxService"
+    machines: MachineService
     account: str
     machine: str
     env: dict[str, str]
-
-    @property
-    def machines(self) -> MachineService:
-        return self.service.machines
 
 
 def _state(machine: Machine) -> str:
@@ -104,7 +100,7 @@ class SandboxService:
             raise Unreachable(f"The sandbox {sandbox_id} was not found") from None
         if machine.state is MachineState.FAILED:
             raise Unreachable(f"The sandbox {sandbox_id} was not found: its machine failed ({machine.reason})")
-        return Target(self, account, machine.id, record.env)
+        return Target(self.machines, account, machine.id, record.env)
 
     def _answer(self, record: SandboxRecord) -> wire.Sandbox:
         return wire.Sandbox(template_id=record.template, sandbox_id=record.machine,
