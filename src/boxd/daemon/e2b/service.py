@@ -33,6 +33,7 @@ IMAGE_TEMPLATES = frozenset({"base", "boxd"})
 EXPIRY_CHECK_S = 1.0
 SNAPSHOT_POLL_S = 0.2
 _PAUSED = (MachineState.PAUSED, MachineState.STOPPED)
+_GONE = (MachineState.FAILED, MachineState.LOST)  # kept on record, but no sandbox any more
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class SandboxService:
             machine = self._store.find_machine(account, sandbox_id) if record else None
         except NotFound:
             machine = None
-        if record is None or machine is None or machine.state is MachineState.FAILED:
+        if record is None or machine is None or machine.state in _GONE:
             raise NotFound(f"sandbox {sandbox_id} was not found", field="sandboxID")
         return record, machine
 
@@ -98,8 +99,9 @@ class SandboxService:
             machine = self._store.find_machine(account, sandbox_id)
         except NotFound:
             raise Unreachable(f"The sandbox {sandbox_id} was not found") from None
-        if machine.state is MachineState.FAILED:
-            raise Unreachable(f"The sandbox {sandbox_id} was not found: its machine failed ({machine.reason})")
+        if machine.state in _GONE:
+            raise Unreachable(f"The sandbox {sandbox_id} was not found: its machine is {machine.state.value} "
+                              f"({machine.reason})")
         return Target(self.machines, account, machine.id, record.env)
 
     def _answer(self, record: SandboxRecord) -> wire.Sandbox:
@@ -166,7 +168,8 @@ class SandboxService:
         await self.machines.resume(account, sandbox_id)
         await self.machines.wait_ready(account, sandbox_id, self.machines.limits.ready_timeout_s)
         expires = _expiry(timeout)
-        if was_paused or record.expires_at is None or (expires is not None and expires > record.expires_at):
+        # A paused sandbox had no expiry; a running one without one never expires.
+        if was_paused or (record.expires_at is not None and (expires is None or expires > record.expires_at)):
             self._store.set_sandbox_expiry(sandbox_id, expires)
         return self._answer(record), was_paused
 
@@ -205,7 +208,7 @@ class SandboxService:
         found = []
         for machine in self._store.list_machines(account):
             record = self._store.find_sandbox(machine.id)
-            if record is None or machine.state is MachineState.FAILED or _state(machine) not in states:
+            if record is None or machine.state in _GONE or _state(machine) not in states:
                 continue
             if any(record.metadata.get(key) != value for key, value in metadata.items()):
                 continue
@@ -290,7 +293,7 @@ class SandboxService:
         for record, machine in self._store.expired_sandboxes(time.time()):
             account = self._store.account_of(machine.id)
             try:
-                if record.auto_pause and machine.state is not MachineState.FAILED:
+                if record.auto_pause and machine.state not in _GONE:
                     if machine.state not in _PAUSED:
                         await self.machines.suspend(account, machine.id)
                     self._store.set_sandbox_expiry(machine.id, None)
