@@ -149,7 +149,7 @@ class FakeRuntime:
         self.host.vms[vm_id] = self._new_vm(spec, files)
         return self._info(vm_id)
 
-    async def fork(self, source_id: str, new_ids: list[str]) -> list[VMInfo]:
+    async def fork(self, source_id: str, new_ids: list[str], *, host: str | None = None) -> list[VMInfo]:
         source = self._running(source_id, "forked")
         for new_id in new_ids:
             self.host.vms[new_id] = self._new_vm(source.spec, dict(source.files))
@@ -296,6 +296,9 @@ class FakeRuntime:
 
     async def process(self, vm_id: str, op: str, **fields: Any) -> dict[str, Any]:
         raise NotImplementedError(op)
+
+    async def hosts(self) -> list[str]:
+        return []
 
     async def lost(self) -> list[str]:
         return []

@@ -94,6 +94,9 @@ class MachineFork(_Wire):
     """A fork takes its size from its source; only its name is its own."""
 
     name: str
+    host: str | None = Field(
+        default=None, description="on a cluster: the host to fork onto (default: the source's while it has room)"
+    )
 
     @field_validator("name")
     @classmethod

@@ -20,6 +20,7 @@ from daemon_process import print_log_if_failed, running_daemon
 from ray.cluster_utils import Cluster
 
 from boxd import Boxd
+from boxd.errors import NotFound
 
 pytestmark = pytest.mark.vm
 
@@ -170,6 +171,39 @@ def _try_exec(boxd: Boxd, machine: str, command: str) -> str | None:
         return boxd.machines.exec(machine, command).stdout
     except Exception:
         return None
+
+
+def test_a_fork_on_another_host_goes_on_with_the_same_processes(daemon, cluster):
+    _, nodes = cluster
+    big, small = host_name(nodes["big"]), host_name(nodes["small"])
+    boxd = daemon.sdk()
+    source = ready_machine_on(boxd, big)
+    counting = "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done"
+    boxd.machines.exec(source.id, f"nohup sh -c '{counting}' >/dev/null 2>&1 & echo $! > /tmp/counter.pid")
+    time.sleep(1)
+    pid = boxd.machines.exec(source.id, "cat /tmp/counter.pid").stdout.strip()
+    before = int(boxd.machines.exec(source.id, "cat /tmp/counter").stdout)
+
+    # Memory by QEMU migration over TCP into the small host, the disk as one layer it copies.
+    child = boxd.machines.fork(source.id, "across", host=small)
+    assert child.host == small
+    boxd.machines.wait_until_ready(child.id, timeout=300)
+    assert boxd.machines.exec(child.id, f"kill -0 {pid} && echo alive").stdout == "alive\n"  # the same process
+    first = int(boxd.machines.exec(child.id, "cat /tmp/counter").stdout)
+    time.sleep(1)
+    later = int(boxd.machines.exec(child.id, "cat /tmp/counter").stdout)
+    assert before <= first < later  # it counts on from where it was
+    assert int(boxd.machines.exec(source.id, "cat /tmp/counter").stdout) > before  # and so does the source
+    boxd.machines.exec(child.id, "echo mine > /tmp/child-only")
+    assert boxd.machines.exec(source.id, "test -e /tmp/child-only && echo leaked || echo own").stdout == "own\n"
+    # Again, later: a new instant, a new layer.
+    again = boxd.machines.fork(source.id, "across-again", host=small)
+    boxd.machines.wait_until_ready(again.id, timeout=300)
+    assert boxd.machines.exec(again.id, f"kill -0 {pid} && echo alive").stdout == "alive\n"
+    with pytest.raises(NotFound):
+        boxd.machines.fork(source.id, "nowhere", host="boxd-host-nosuchhost")
+    for machine in (child, again):
+        boxd.machines.delete(machine.id)
 
 
 def test_a_new_node_joins_by_itself(daemon, cluster):

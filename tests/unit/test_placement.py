@@ -67,3 +67,11 @@ async def test_machines_of_a_dead_host_are_lost_on_record_and_free_their_quota(t
         assert [m.name for m in plane.store.list_machines("carol")] == ["second", "third"]
     finally:
         await plane.close()
+
+
+@pytest.mark.anyio
+async def test_a_fork_onto_a_host_that_is_not_there_is_refused_and_changes_nothing(plane, alice):
+    assert (await alice.post("/v1/machines", json={"name": "source"})).status_code == 201
+    answer = await alice.post("/v1/machines/source/fork", json={"name": "child", "host": "boxd-host-elsewhere"})
+    assert answer.status_code == 404 and answer.json()["error"]["field"] == "host"
+    assert [m["name"] for m in (await alice.get("/v1/machines")).json()] == ["source"]

@@ -77,10 +77,11 @@ def new(
 @click.argument("source")
 @click.argument("name")
 @click.option("--timeout", type=float, default=120, show_default=True, help="seconds to wait until ready")
-def fork(source: str, name: str, timeout: float) -> None:
+@click.option("--host", help="on a cluster: the host to fork onto (default: the source's while it has room)")
+def fork(source: str, name: str, timeout: float, host: str | None) -> None:
     """Fork a running machine: NAME continues from this instant of SOURCE."""
     with daemon() as boxd, output.err.status(f"forking {source} into {name}"):
-        forked = boxd.machines.fork(source, name)
+        forked = boxd.machines.fork(source, name, host=host)
         ready = boxd.machines.wait_until_ready(forked, timeout=timeout)
     output.machine(ready)
 

@@ -10,6 +10,7 @@ output, downloads, watches) are Ray streaming generators, and an upload comes in
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 import secrets
@@ -29,6 +30,9 @@ log = logging.getLogger(__name__)
 CALLS = frozenset({
     "create", "adopt", "info", "wait_ready", "delete", "fork", "checkpoint", "restore", "drop_checkpoint",
     "save_snapshot", "delete_snapshot", "suspend", "hibernate", "resume", "collect_garbage", "fs", "process",
+    # a fork across hosts
+    "spec_of", "receive_capture", "finish_capture", "drop_capture", "capture_to", "export_size", "drop_export",
+    "fork_from",
 })
 
 
@@ -95,7 +99,8 @@ class HostAgent:
         await self._adopt_all()
         if method == "create":
             await self._ensure_image(args[1])
-        return await getattr(self.runtime, method)(*args, **kwargs)
+        answer = getattr(self.runtime, method)(*args, **kwargs)
+        return await answer if inspect.isawaitable(answer) else answer
 
     async def _ensure_image(self, spec: VMSpec) -> None:
         from boxd.guest.image import ImageRecipe, ensure_image
@@ -144,6 +149,20 @@ class HostAgent:
             return await source.snapshot_chunk.remote(digest, name, offset, length)
 
         return await receive_snapshot(self.runtime.snapshots_dir, digest, fetch)
+
+    # -- disk layers across hosts -----------------------------------------------------
+
+    async def layer_chunk(self, name: str, offset: int, length: int) -> bytes:
+        return await asyncio.to_thread(self.runtime.export_chunk, name, offset, length)
+
+    async def import_layer(self, name: str, size: int, source: Any, image_digest: str) -> int:
+        """Copy an exported disk layer from the host agent ``source`` unless this host has it."""
+
+        async def fetch(offset: int, length: int) -> bytes:
+            return await source.layer_chunk.remote(name, offset, length)
+
+        await self._ensure_image(VMSpec(image=image_digest))
+        return await self.runtime.import_layer(name, size, fetch, image_digest)
 
     # -- uploads ----------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ UPLOAD_PART = 1024 * 1024
 class _Host:
     name: str
     node_id: str
+    address: str  # the node's IP: where a migration to it goes
     handle: Any  # the actor
     alive: bool = True
 
@@ -74,6 +76,7 @@ class RayRuntime:
         self._snapshot_hosts: dict[str, set[str]] = {}  # digest -> hosts holding it
         # Memory promised to creates still under way: a burst must not all see the same room.
         self._reserved_mib: dict[str, int] = {}
+        self.moved: list[dict[str, Any]] = []  # what each fork across hosts carried (benchmarks read it)
         self._watch: asyncio.Task | None = None
 
     # -- hosts ------------------------------------------------------------------------
@@ -103,7 +106,8 @@ class RayRuntime:
             resources = node["Resources"]
             if node_id in alive and resources.get(HOST_RESOURCE, 0) >= 1 and name not in self._hosts:
                 capacity = resources.get(MEMORY_RESOURCE)
-                self._hosts[name] = _Host(name, node_id, self._deploy(node_id, int(capacity) if capacity else None))
+                handle = self._deploy(node_id, int(capacity) if capacity else None)
+                self._hosts[name] = _Host(name, node_id, node["NodeManagerAddress"], handle)
                 log.info("host %s joined on node %s", name, node_id)
         for host in self._hosts.values():
             if host.alive and host.node_id not in alive:
@@ -258,13 +262,66 @@ class RayRuntime:
     async def process(self, vm_id: str, op: str, **fields: Any) -> dict[str, Any]:
         return await self._call(vm_id, "process", op, **fields)
 
-    async def fork(self, source_id: str, new_ids: list[str]) -> list[VMInfo]:
-        """Forks land on their source's host, which shares one capture among them."""
-        host = self._owner(source_id)
-        infos = await self._call(source_id, "fork", new_ids)
+    async def fork(self, source_id: str, new_ids: list[str], *, host: str | None = None) -> list[VMInfo]:
+        """Forks land on ``host``, or on their source's host while it has room (one capture
+        there serves them all), or else on the best other host."""
+        source = self._owner(source_id)
+        spec: VMSpec = await self._call(source_id, "spec_of")
+        if host is not None:
+            target = self._hosts.get(host)
+            if target is None or not target.alive:
+                raise NotFound(f"host: no live host {host} (hosts: {', '.join(await self.hosts())})", field="host")
+        else:
+            target = await self._fork_target(source, spec.memory_mib * len(new_ids))
+        if target is source:
+            infos = await self._call(source_id, "fork", new_ids)
+        else:
+            infos = await self._fork_across(source, source_id, spec, target, new_ids)
         for info in infos:
-            self._owners[info.id] = host.name
-        return [self._info(info, host) for info in infos]
+            self._owners[info.id] = target.name
+        return [self._info(info, target) for info in infos]
+
+    async def hosts(self) -> list[str]:
+        return sorted(host.name for host in self._live_hosts())
+
+    async def _fork_target(self, source: _Host, memory_mib: int) -> _Host:
+        loads = {load.host: load for load in await self.loads()}
+        if source.name in loads and loads[source.name].headroom_mib >= memory_mib:
+            return source
+        others = candidates([load for name, load in loads.items() if name != source.name], memory_mib)
+        if not others:
+            raise HostError(f"memory_mib: no host can take {memory_mib} MiB of forks", field="memory_mib")
+        return self._hosts[others[0].host]
+
+    async def _fork_across(self, source: _Host, source_id: str, spec: VMSpec, target: _Host,
+                           new_ids: list[str]) -> list[VMInfo]:
+        """The source streams an instant of itself into a template on the target (QEMU
+        migration over TCP) and exports its disk chain as one layer, which the target
+        copies unless it has it; then the forks start on the target."""
+        started = time.monotonic()
+        capture_id, port = await self._ask(target, target.handle.call.remote("receive_capture", spec, target.address))
+        try:
+            layer, pause_s, ram_bytes = await self._ask(
+                source, source.handle.call.remote("capture_to", source_id, f"tcp:{target.address}:{port}")
+            )
+        except BaseException:
+            with contextlib.suppress(BoxdError):
+                await self._ask(target, target.handle.call.remote("drop_capture", capture_id))
+            raise
+        try:
+            size = await self._ask(source, source.handle.call.remote("export_size", layer))
+            _, copied = await asyncio.gather(
+                self._ask(target, target.handle.call.remote("finish_capture", capture_id)),
+                self._ask(target, target.handle.import_layer.remote(layer, size, source.handle, spec.image)),
+            )
+            infos = await self._ask(target, target.handle.call.remote("fork_from", capture_id, layer, spec, new_ids))
+        finally:
+            with contextlib.suppress(BoxdError):
+                await self._ask(source, source.handle.call.remote("drop_export", layer))
+        log.info("fork across hosts source=%s from=%s to=%s pause_ms=%.1f ram_bytes=%d layer_bytes=%d seconds=%.2f",
+                 source_id, source.name, target.name, pause_s * 1000, ram_bytes, copied, time.monotonic() - started)
+        self.moved.append({"source": source_id, "ram_bytes": ram_bytes, "layer_bytes": copied, "pause_s": pause_s})
+        return infos
 
     async def delete(self, vm_id: str) -> None:
         await self._call(vm_id, "delete")

@@ -230,6 +230,8 @@ class MachineService:
     async def fork(self, account: str, ref: str, request: MachineFork) -> Machine:
         """A new machine continuing from this instant of a running one; counts against the quota."""
         source = await self.usable(account, ref)
+        if request.host is not None and request.host not in await self.runtime.hosts():
+            raise NotFound(f"host: no live host {request.host}", field="host")
         # Its URL is its own and private until asked otherwise; the rest is its source's.
         copy = MachineCreate(
             name=request.name,
@@ -245,7 +247,7 @@ class MachineService:
         event(log, "machine.forking", machine=machine.id, source=source.id, account=account, name=machine.name)
 
         async def fork() -> VMInfo:
-            (info,) = await self.runtime.fork(source.id, [machine.id])
+            (info,) = await self.runtime.fork(source.id, [machine.id], host=request.host)
             return info
 
         return await self._bring_up(account, machine, fork, "machine.forked")

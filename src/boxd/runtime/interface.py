@@ -109,8 +109,9 @@ class Runtime(Protocol):
     def watch(self, vm_id: str, path: str, *, recursive: bool = False) -> AsyncIterator[tuple[str, str]]:
         """Changes in a guest directory as (name relative to it, create|write|remove|rename|chmod)."""
 
-    async def fork(self, source_id: str, new_ids: list[str]) -> list[VMInfo]:
-        """New machines continuing from one instant of a running one; they run, not yet ready."""
+    async def fork(self, source_id: str, new_ids: list[str], *, host: str | None = None) -> list[VMInfo]:
+        """New machines continuing from one instant of a running one; they run, not yet ready.
+        ``host``: where they go, when the runtime spans several (default: its choice)."""
 
     async def delete(self, vm_id: str) -> None:
         """Stop the machine if it runs and remove every process, socket and file of it."""
@@ -139,6 +140,9 @@ class Runtime(Protocol):
     async def resume(self, vm_id: str) -> None:
         """Run a suspended machine again, or bring a hibernated one back; returns once its
         vCPUs run (a hibernated one is then not yet ready)."""
+
+    async def hosts(self) -> list[str]:
+        """The live hosts machines may go to, by name, when the runtime spans several."""
 
     async def lost(self) -> list[str]:
         """Machines whose host is gone (a dead node): nothing of them can come back."""

@@ -22,13 +22,13 @@ import re
 import secrets
 import shutil
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from boxd.config import MACHINE_API_PORT, boxd_home, shm_dir, vms_dir
-from boxd.durable import fsync_path
+from boxd.durable import fsync_path, sha256_file
 from boxd.errors import (
     AgentUnavailable,
     BoxdError,
@@ -83,6 +83,8 @@ VM_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 MAX_FROZEN_LAYERS = 4
 # Bytes per second: QEMU refuses more than SIZE_MAX, and nothing local comes close to this.
 UNLIMITED_BANDWIDTH = 1 << 40
+LAYER_CHUNK = 8 * 1024 * 1024  # pieces of a disk layer copied between hosts
+EXPORTED_LAYER = re.compile(r"^layer-[0-9a-f]{32}\.qcow2$")
 
 
 async def stop_processes(run_dir: Path) -> None:
@@ -200,6 +202,8 @@ class LocalRuntime:
         self._captures_in_use: collections.Counter[str] = collections.Counter()
         self._background: set[asyncio.Task] = set()
         self._ram_mapped: set[int] = set()  # QEMU pids whose guest RAM is faulted in
+        self._receiving: dict[str, Monitor] = {}  # captures streaming in from another host
+        self.exports_dir = self.home / "exports"  # disk layers for other hosts to copy
         log.info("runtime accelerator=%s reason=%r", self.accelerator.name, self.accelerator.reason)
 
     # -- paths ------------------------------------------------------------------------
@@ -429,6 +433,9 @@ class LocalRuntime:
         shutil.rmtree(self._vm_dir(vm_id), ignore_errors=True)
         await self.collect_garbage()
 
+    async def hosts(self) -> list[str]:
+        return []
+
     async def lost(self) -> list[str]:
         return []  # one host: if it is gone, so is this process
 
@@ -524,12 +531,15 @@ class LocalRuntime:
             self._monitors[vm_id] = monitor
         return monitor
 
-    async def fork(self, source_id: str, new_ids: list[str]) -> list[VMInfo]:
+    async def fork(self, source_id: str, new_ids: list[str], *, host: str | None = None) -> list[VMInfo]:
         """New machines that continue from one instant of a running machine.
 
         Forks asked for while no capture of the source is under way share the next one,
         so a burst of forks pauses the source once.
         """
+        if host is not None:
+            raise InvalidInput("host: this daemon runs machines on one host (boxd serve --ray spans several)",
+                               field="host")
         source = self._machine(source_id)
         for new_id in new_ids:
             self._check_new_id(new_id)
@@ -931,12 +941,194 @@ class LocalRuntime:
                     # The layer names its image's root filesystem by path, which may differ here.
                     await run_tool("qemu-img", "rebase", "-u", "-F", "qcow2", "-b", str(image.rootfs), str(partial))
                     os.replace(partial, self.layers_dir / layer)
-            machine.ram_capture, machine.disk_frozen = capture_id, [layer]
-            await create_overlay(self.layers_dir / machine.disk_top, self.layers_dir / layer)
-            self._save(machine)
-            await self._start_from_capture(machine, image, capture / "state")
+            await self._start_on_capture(machine, image, capture_id, layer)
         finally:
             self._release(capture_id)
+
+    async def _start_on_capture(self, machine: Machine, image: Image, capture_id: str, layer: str) -> None:
+        """Start a new machine on a capture's RAM and state, its disk a new top layer over
+        ``layer`` (one layer over the image: a snapshot's disk, or another host's chain)."""
+        machine.ram_capture, machine.disk_frozen = capture_id, [layer]
+        await create_overlay(self.layers_dir / machine.disk_top, self.layers_dir / layer)
+        self._save(machine)
+        await self._start_from_capture(machine, image, self.captures_dir / capture_id / "state")
+
+    # -- forks across hosts -----------------------------------------------------------
+    #
+    # A fork on another host: that host starts a template QEMU waiting for a migration on
+    # a TCP port (``receive_capture``); this one streams an instant of the source into it
+    # (``capture_to``, the same background snapshot as a local capture) and flattens the
+    # source's frozen disk chain into one layer over the image, named by its SHA-256
+    # (``export``); the other host keeps the template's RAM and state as a capture
+    # (``finish_capture``), copies the layer unless it has it (``import_layer``), and
+    # starts the forks on both (``fork_from``).
+
+    def spec_of(self, vm_id: str) -> VMSpec:
+        return self._machine(vm_id).spec
+
+    async def receive_capture(self, spec: VMSpec, listen_host: str) -> tuple[str, int]:
+        """A template QEMU for ``spec`` waiting for a migration on ``listen_host``; returns
+        the capture's id and the TCP port."""
+        image = await self._image(spec.image)
+        self._check_room(spec)
+        capture_id = f"remote-{secrets.token_hex(6)}"
+        folder = self.captures_dir / capture_id
+        folder.mkdir(parents=True)
+        self._captures_in_use[capture_id] += 1
+        model = Machine(id=capture_id, spec=spec, image_path=str(image.path), disk_top="")
+        template = self._launch(
+            model, image, name=f"capture-{capture_id}", run_dir=folder / "template", ram_file=folder / "ram",
+            ram_shared=True, incoming=True, disk=folder / "template.qcow2", console_log=folder / "template.console",
+            unplugged=True, forward=None,
+        )
+        try:
+            await create_overlay(template.disk, image.rootfs, spec.disk_gib)
+            await self._start_processes(template)
+            monitor = Monitor(template.qmp_socket, template.name)
+            await monitor.connect()
+            port = free_port()
+            await monitor.execute("migrate-incoming", {"uri": f"tcp:{listen_host}:{port}"})
+        except BaseException:
+            await self.drop_capture(capture_id)
+            raise
+        self._receiving[capture_id] = monitor
+        return capture_id, port
+
+    async def finish_capture(self, capture_id: str) -> None:
+        """Once the stream is in: the template's device state beside its RAM, the template gone."""
+        monitor = self._receiving.pop(capture_id, None)
+        if monitor is None:
+            raise NotFound(f"capture {capture_id}: not being received here", field="capture")
+        folder = self.captures_dir / capture_id
+        try:
+            await wait_incoming(monitor)
+            await set_capabilities(monitor, x_ignore_shared=True)
+            await monitor.execute("migrate", {"uri": f"exec:cat > {folder / 'state'}"})
+            await wait_migration(monitor, {"completed"})
+        except BaseException:
+            await monitor.close()
+            await self.drop_capture(capture_id)
+            raise
+        await monitor.close()
+        await stop_processes(folder / "template")
+        shutil.rmtree(folder / "template", ignore_errors=True)
+        (folder / "template.qcow2").unlink(missing_ok=True)
+
+    async def drop_capture(self, capture_id: str) -> None:
+        """Give up a capture being received (its sender failed)."""
+        self._receiving.pop(capture_id, None)
+        self._captures_in_use.pop(capture_id, None)
+        folder = self.captures_dir / capture_id
+        await stop_processes(folder / "template")
+        shutil.rmtree(folder, ignore_errors=True)
+
+    async def capture_to(self, vm_id: str, uri: str) -> tuple[str, float, int]:
+        """Stream this instant of a running machine to a template elsewhere (``uri``: QEMU's
+        ``tcp:HOST:PORT``) and export its disk; returns the exported layer's name, how long
+        the source stood still, and the bytes of memory sent."""
+        source = self._running(vm_id, "forked")
+        image = await self._image(source.image_path)
+        live = source.ram_capture is None  # as in _capture: a fork's own RAM cannot be write-protected
+        async with self._capture_lock(vm_id):
+            if live:
+                await self._map_ram_in(source)
+            monitor = await self._monitor(vm_id)
+            await set_capabilities(monitor, background_snapshot=live, x_ignore_shared=False)
+            await monitor.execute("migrate-set-parameters", {"max-bandwidth": UNLIMITED_BANDWIDTH})
+            await monitor.execute("stop")
+            paused_at = time.monotonic()
+            try:
+                frozen = await self._freeze_disk(source, monitor)
+                await monitor.execute("migrate", {"uri": uri})
+                if live:
+                    await wait_running(monitor)
+                else:
+                    await wait_migration(monitor, {"completed"})
+                    await monitor.execute("cont")
+            except BaseException:
+                await resume(monitor)
+                raise
+            pause_s = time.monotonic() - paused_at
+            sent = (await wait_migration(monitor, {"completed"})).get("ram", {}).get("transferred", 0)
+            layer = await self._export_chain(image, frozen[-1])
+            with contextlib.suppress(BoxdError):
+                await self._agent(vm_id).set_time()  # its guest clock stood still
+            if len(source.disk_frozen) > MAX_FROZEN_LAYERS:
+                await self._shorten_chain(source)
+        log.info("capture sent source=%s uri=%s pause_ms=%.1f ram_bytes=%d layer=%s",
+                 vm_id, uri, pause_s * 1000, sent, layer)
+        return layer, pause_s, sent
+
+    async def _export_chain(self, image: Image, newest: str) -> str:
+        """The disk chain under ``newest``, as one compressed layer over the image, in the
+        exports folder (garbage collection leaves it alone) under its content's name."""
+        self.exports_dir.mkdir(exist_ok=True)
+        partial = self.exports_dir / f".{secrets.token_hex(6)}.part"
+        try:
+            await run_tool("qemu-img", "convert", "-c", "-O", "qcow2", "-B", str(image.rootfs), "-F", "qcow2",
+                           str(self.layers_dir / newest), str(partial))
+            name = f"layer-{(await asyncio.to_thread(sha256_file, partial))[:32]}.qcow2"
+            os.replace(partial, self.exports_dir / name)
+        finally:
+            partial.unlink(missing_ok=True)
+        return name
+
+    def export_chunk(self, name: str, offset: int, length: int) -> bytes:
+        if not EXPORTED_LAYER.match(name):
+            raise InvalidInput(f"layer: {name!r} is not an exported layer", field="layer")
+        with open(self.exports_dir / name, "rb") as handle:
+            handle.seek(offset)
+            return handle.read(length)
+
+    def drop_export(self, name: str) -> None:
+        if EXPORTED_LAYER.match(name):
+            (self.exports_dir / name).unlink(missing_ok=True)
+
+    async def import_layer(self, name: str, size: int, fetch: Callable[[int, int], Awaitable[bytes]],
+                           image_digest: str) -> int:
+        """Copy another host's exported layer unless this host has it; it is checked against
+        its name (its SHA-256) and put over this host's image. Returns the bytes copied."""
+        if not EXPORTED_LAYER.match(name):
+            raise InvalidInput(f"layer: {name!r} is not an exported layer", field="layer")
+        if (self.layers_dir / name).exists():
+            return 0
+        image = await self._image(image_digest)
+        partial = self.layers_dir / f"{name}.{secrets.token_hex(4)}.part"
+        try:
+            with open(partial, "wb") as handle:
+                for offset in range(0, size, LAYER_CHUNK):
+                    handle.write(await fetch(offset, LAYER_CHUNK))
+            if (await asyncio.to_thread(sha256_file, partial))[:32] != name[len("layer-") : -len(".qcow2")]:
+                raise VMError(f"layer {name}: the copy does not match its name (SHA-256)")
+            await run_tool("qemu-img", "rebase", "-u", "-F", "qcow2", "-b", str(image.rootfs), str(partial))
+            os.replace(partial, self.layers_dir / name)
+        finally:
+            partial.unlink(missing_ok=True)
+        return size
+
+    def export_size(self, name: str) -> int:
+        return (self.exports_dir / name).stat().st_size
+
+    async def fork_from(self, capture_id: str, layer: str, spec: VMSpec, new_ids: list[str]) -> list[VMInfo]:
+        """Start forks on a capture received from another host, their disks over ``layer``."""
+        image = await self._image(spec.image)
+        started: list[str] = []
+        try:
+            for new_id in new_ids:
+                self._check_new_id(new_id)
+                machine = Machine(id=new_id, spec=spec, image_path=str(image.path),
+                                  disk_top=f"{new_id}-{secrets.token_hex(4)}.qcow2", url_port=free_port())
+                self._vm_dir(new_id).mkdir(parents=True)
+                self._machines[new_id] = machine
+                started.append(new_id)
+                await self._start_on_capture(machine, image, capture_id, layer)
+        except BaseException:
+            for new_id in started:
+                await self._remove(new_id)
+            raise
+        finally:
+            self._release(capture_id)
+        return [await self.info(new_id) for new_id in new_ids]
 
     # -- idle machines ----------------------------------------------------------------
 

@@ -339,9 +339,11 @@ class AsyncMachines:
         timeout = httpx.Timeout(self._client.timeout, read=CREATE_TIMEOUT)
         return await self._client._call(Machine, "POST", "/v1/machines", json=body, timeout=timeout)
 
-    async def fork(self, source: MachineRef, name: str) -> Machine:
-        """A new machine that continues from this instant of ``source`` (which keeps running)."""
-        return await self._client._call(Machine, "POST", _machine_path(source, "fork"), json={"name": name})
+    async def fork(self, source: MachineRef, name: str, *, host: str | None = None) -> Machine:
+        """A new machine that continues from this instant of ``source`` (which keeps running);
+        on a cluster, ``host`` is where it goes (default: the source's host while it has room)."""
+        body = {"name": name, **({"host": host} if host is not None else {})}
+        return await self._client._call(Machine, "POST", _machine_path(source, "fork"), json=body)
 
     async def get(self, machine: MachineRef) -> Machine:
         return await self._client._call(Machine, "GET", _machine_path(machine))

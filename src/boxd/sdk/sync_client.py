@@ -209,8 +209,8 @@ class Machines:
         return self._portal.call(lambda c: c.machines.delete(machine))
 
     @_mirrors(AsyncMachines.fork)
-    def fork(self, source: MachineRef, name: str) -> Machine:
-        return self._portal.call(lambda c: c.machines.fork(source, name))
+    def fork(self, source: MachineRef, name: str, *, host: str | None = None) -> Machine:
+        return self._portal.call(lambda c: c.machines.fork(source, name, host=host))
 
     @_mirrors(AsyncMachines.suspend)
     def suspend(self, machine: MachineRef) -> Machine:
