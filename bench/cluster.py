@@ -24,6 +24,7 @@ network" runs over loopback here, and placing 20 machines also boots 20 guests a
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -128,6 +129,7 @@ async def main(args) -> None:
         ray.shutdown()
         cluster.shutdown()
         await sweep_hosts(root / "hosts")
+        shutil.rmtree(root, ignore_errors=True)
     report.print_targets()
     report.write_json(args.json)
 
