@@ -187,8 +187,16 @@ class RayRuntime:
         return dataclasses.replace(info, host=host.name)
 
     async def _stream(self, vm_id: str, start: Callable[[Any], Any]) -> AsyncIterator[Any]:
+        """What one of the agent's streaming calls yields; an agent that dies ends it with HostError."""
         host = self._owner(vm_id)
-        async for reference in start(host.handle):
+        references = start(host.handle)
+        while True:
+            try:
+                reference = await anext(references)
+            except StopAsyncIteration:
+                return
+            except ray.exceptions.RayError as error:
+                raise HostError(f"host {host.name} cannot be reached: {type(error).__name__}") from None
             yield await self._ask(host, reference)
 
     # -- the runtime interface --------------------------------------------------------
