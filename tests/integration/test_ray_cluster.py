@@ -8,6 +8,7 @@ node that joins, a node that dies. Every VM of every host is deleted at teardown
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.vm
 
 BIG_MIB, SMALL_MIB = 6144, 3072  # guest RAM the two hosts may commit
 MACHINE_MIB = 256
+PORTS = range(41000, 42000)  # each host's machine URLs and incoming forks take ports from here
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +53,8 @@ def host_homes(home: Path) -> list[Path]:
 @pytest.fixture(scope="module")
 def daemon(guest_image, cluster):
     ray_cluster, _ = cluster
-    with running_daemon("boxd-ray-", "--ray", ray_cluster.address, homes=host_homes) as process:
+    with running_daemon("boxd-ray-", "--ray", ray_cluster.address, "--host-ports", f"{PORTS.start}-{PORTS.stop - 1}",
+                        homes=host_homes) as process:
         yield process
 
 
@@ -102,6 +105,9 @@ def test_machines_spread_over_the_hosts_by_the_memory_they_have(daemon, cluster)
     print(f"placed 20 machines in {placing_s:.1f} s: {hosts.count(big)} on the big host, {hosts.count(small)} on the small")
     cli = daemon.cli("machine", "list")
     assert "HOST" in cli.stdout and small in cli.stdout
+    url_ports = [json.loads(record.read_text())["url_port"] for home in host_homes(daemon.home)
+                 for record in home.glob("vms/*/machine.json")]
+    assert url_ports and all(port in PORTS for port in url_ports), url_ports
 
 
 def test_exec_files_forks_and_checkpoints_go_to_the_owner(daemon, cluster):

@@ -112,3 +112,19 @@ def test_a_disk_larger_than_the_host_can_hold_is_refused_naming_the_field(tmp_pa
     with pytest.raises(HostError) as refused:
         runtime._check_room(VMSpec(image="x", memory_mib=128, disk_gib=free_gib + 1))
     assert refused.value.field == "disk_gib" and "GiB free" in refused.value.message
+
+
+def test_a_port_from_a_range_skips_the_ones_taken_and_says_when_none_is_left():
+    import socket
+
+    from boxd.errors import HostError
+    from boxd.runtime.qemu import free_port
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        taken.listen()
+        assert port < free_port(range(port, port + 20)) < port + 20  # never the one taken
+        with pytest.raises(HostError) as none_left:
+            free_port(range(port, port + 1))
+    assert none_left.value.field == "ports"

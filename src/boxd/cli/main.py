@@ -89,8 +89,12 @@ def cli() -> None:
     "--host-root", type=click.Path(path_type=Path), envvar="BOXD_HOST_ROOT",
     help="with --ray: where each node's host agent keeps its state, on that node [BOXD_HOME/hosts]",
 )
+@click.option(
+    "--host-ports", metavar="FIRST-LAST", envvar="BOXD_HOST_PORTS",
+    help="with --ray: the ports each host's machine URLs and incoming forks take, on that host [any free]",
+)
 def serve(port: int, host: str, max_upload: int, suspend_after: float, hibernate_after: float,
-          ray_address: str | None, host_root: Path | None) -> None:
+          ray_address: str | None, host_root: Path | None, host_ports: str | None) -> None:
     """Run the daemon: HTTP on HOST:PORT and the unix socket BOXD_HOME/boxd.sock.
 
     Machine URLs (http://NAME.localhost:PORT/) are served on the same port. With --ray,
@@ -105,7 +109,20 @@ def serve(port: int, host: str, max_upload: int, suspend_after: float, hibernate
         raise click.BadParameter("idle times are seconds, 0 or more", param_hint="--suspend-after/--hibernate-after")
     idle = IdlePolicy(suspend_after_s=suspend_after, hibernate_after_s=hibernate_after)
     run(boxd_home(), host=host, port=port, limits=Limits(max_upload_bytes=max_upload), idle=idle,
-        ray_address=ray_address, host_root=host_root)
+        ray_address=ray_address, host_root=host_root, host_ports=_port_range(host_ports))
+
+
+def _port_range(text: str | None) -> range | None:
+    if text is None:
+        return None
+    first, _, last = text.partition("-")
+    try:
+        ports = range(int(first), int(last) + 1)
+    except ValueError:
+        raise click.BadParameter(f"expected FIRST-LAST, got {text!r}", param_hint="--host-ports") from None
+    if not (ports and 1024 <= ports.start and ports.stop <= 65536):
+        raise click.BadParameter(f"a range of ports from 1024 to 65535, got {text!r}", param_hint="--host-ports")
+    return ports
 
 
 cli.add_command(machine)

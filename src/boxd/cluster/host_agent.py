@@ -48,10 +48,12 @@ class HostAgent:
     """Made by ``RayRuntime`` as a detached actor named ``boxd-host-<node id>``."""
 
     def __init__(self, name: str, node_id: str, home: str, api_address: tuple[str, int] | None,
-                 daemon_home: str | None = None, capacity_mib: int | None = None) -> None:
+                 daemon_home: str | None = None, capacity_mib: int | None = None,
+                 ports: range | None = None) -> None:
         """``daemon_home``: where the daemon keeps its guest images; a node that sees that
         folder (the daemon's own machine, a shared disk) uses them instead of building.
-        ``capacity_mib``: guest RAM this host may commit, below its own RAM."""
+        ``capacity_mib``: guest RAM this host may commit, below its own RAM. ``ports``:
+        the host ports its machines' URLs and incoming forks take (default: any free)."""
         from boxd.runtime.local import LocalRuntime
 
         self.name, self.node_id = name, node_id
@@ -62,7 +64,7 @@ class HostAgent:
         shared = Path(daemon_home) / "images" if daemon_home else None
         if shared is not None and shared.is_dir() and not images.exists():
             images.symlink_to(shared.resolve(), target_is_directory=True)
-        self.runtime = LocalRuntime(self.home, api_address=api_address)
+        self.runtime = LocalRuntime(self.home, api_address=api_address, ports=ports)
         self._uploads: dict[str, tuple[asyncio.Queue, asyncio.Task]] = {}
         self._adopted = False
 

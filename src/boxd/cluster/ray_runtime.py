@@ -61,15 +61,18 @@ class RayRuntime:
         host_root: Path,
         api_address: tuple[str, int] | None = None,
         daemon_home: Path | None = None,
+        ports: range | None = None,
         check_every_s: float = CHECK_EVERY_S,
     ) -> None:
         """``host_root``: each node's agent keeps its state in ``host_root/<node id>``
         (on that node's own disk); ``daemon_home``: the daemon's, whose guest images a
-        node that can see them uses instead of building its own."""
+        node that can see them uses instead of building its own; ``ports``: the range each
+        host's machine URLs and incoming forks take their ports from, on that host."""
         self.address = address
         self.host_root = Path(host_root)
         self.api_address = api_address
         self.daemon_home = daemon_home
+        self.ports = ports
         self.check_every_s = check_every_s
         self._hosts: dict[str, _Host] = {}
         self._owners: dict[str, str] = {}  # machine -> host
@@ -123,7 +126,7 @@ class RayRuntime:
         )
         daemon_home = str(self.daemon_home) if self.daemon_home else None
         return agent.remote(agent_name(node_id), node_id, str(self.host_root / node_id[:16]),
-                            self.api_address, daemon_home, capacity_mib)
+                            self.api_address, daemon_home, capacity_mib, self.ports)
 
     async def _watch_hosts(self) -> None:
         while True:

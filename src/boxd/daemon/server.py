@@ -72,12 +72,14 @@ class Daemon:
         idle: IdlePolicy | None = None,
         ray_address: str | None = None,
         host_root: Path | None = None,
+        host_ports: range | None = None,
     ) -> None:
         """With ``ray_address`` machines run on the hosts of that Ray cluster, each host
         keeping its state under ``host_root`` (default ``BOXD_HOME/hosts``) on its node."""
         self.home = home
         self.ray_address = ray_address
         self.host_root = host_root or home / "hosts"
+        self.host_ports = host_ports
         self.host, self.port = host, port
         self._runtime = runtime
         self._images = images or ImageCache.default(home)
@@ -130,7 +132,7 @@ class Daemon:
         except ImportError:
             raise HostError("--ray needs Ray: pip install 'boxd[ray]'") from None
         runtime = RayRuntime(self.ray_address, host_root=self.host_root, api_address=api_address,
-                             daemon_home=self.home)
+                             daemon_home=self.home, ports=self.host_ports)
         await runtime.start()
         return runtime
 
@@ -145,7 +147,8 @@ class Daemon:
 
 
 def run(home: Path, *, host: str, port: int, limits: Limits, idle: IdlePolicy, ray_address: str | None = None,
-        host_root: Path | None = None) -> None:
+        host_root: Path | None = None, host_ports: range | None = None) -> None:
     logs.configure()
-    daemon = Daemon(home, host=host, port=port, limits=limits, idle=idle, ray_address=ray_address, host_root=host_root)
+    daemon = Daemon(home, host=host, port=port, limits=limits, idle=idle, ray_address=ray_address,
+                    host_root=host_root, host_ports=host_ports)
     asyncio.run(daemon.serve())

@@ -177,10 +177,14 @@ class LocalRuntime:
         *,
         accelerator: Accelerator | None = None,
         api_address: tuple[str, int] | None = None,
+        ports: range | None = None,
     ) -> None:
         """``api_address``: where the boxd API listens (TCP, never the admin socket); with
-        it, each machine's agent serves it inside the guest on MACHINE_API_PORT."""
+        it, each machine's agent serves it inside the guest on MACHINE_API_PORT.
+        ``ports``: the host ports its machines' URLs and incoming forks may take
+        (default: any free one)."""
         self.home = Path(home) if home else boxd_home()
+        self.ports = ports
         self.api_address = api_address
         self.vms_dir = vms_dir(self.home)
         self.layers_dir = self.home / "layers"
@@ -288,7 +292,7 @@ class LocalRuntime:
             spec=spec,
             image_path=str(image.path),
             disk_top=f"{vm_id}-{secrets.token_hex(4)}.qcow2",
-            url_port=free_port(),
+            url_port=free_port(self.ports),
         )
         self._vm_dir(vm_id).mkdir(parents=True)
         self._machines[vm_id] = machine
@@ -795,7 +799,7 @@ class LocalRuntime:
             disk_top=f"{new_id}-{secrets.token_hex(4)}.qcow2",
             disk_frozen=list(capture.disk_frozen),
             ram_capture=capture.id,
-            url_port=free_port(),  # its own: forks never share a port
+            url_port=free_port(self.ports),  # its own: forks never share a port
         )
         self._vm_dir(new_id).mkdir(parents=True)
         self._machines[new_id] = clone
@@ -986,7 +990,7 @@ class LocalRuntime:
             await self._start_processes(template)
             monitor = Monitor(template.qmp_socket, template.name)
             await monitor.connect()
-            port = free_port()
+            port = free_port(self.ports)
             await monitor.execute("migrate-incoming", {"uri": f"tcp:{listen_host}:{port}"})
         except BaseException:
             await self.drop_capture(capture_id)
@@ -1117,7 +1121,7 @@ class LocalRuntime:
             for new_id in new_ids:
                 self._check_new_id(new_id)
                 machine = Machine(id=new_id, spec=spec, image_path=str(image.path),
-                                  disk_top=f"{new_id}-{secrets.token_hex(4)}.qcow2", url_port=free_port())
+                                  disk_top=f"{new_id}-{secrets.token_hex(4)}.qcow2", url_port=free_port(self.ports))
                 self._vm_dir(new_id).mkdir(parents=True)
                 self._machines[new_id] = machine
                 started.append(new_id)

@@ -275,11 +275,16 @@ def fault_in_mapping(pid: int, path: Path, chunk: int = 1 << 20) -> None:
         os.close(descriptor)
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+def free_port(ports: range | None = None) -> int:
+    """A TCP port that nothing listens on now: any the system gives, or one of ``ports``."""
+    for port in ports or (0,):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("0.0.0.0" if ports else "127.0.0.1", port))
+            except OSError:
+                continue
+            return probe.getsockname()[1]
+    raise HostError(f"ports: none free in {ports.start}-{ports.stop - 1}", field="ports")
 
 
 async def run_tool(*argv: str) -> str:
