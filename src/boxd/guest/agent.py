@@ -430,7 +430,12 @@ class Watch:
             raise OSError(ctypes.get_errno(), "inotify_init1")
         self.folders: dict[int, str] = {}  # watch descriptor -> folder, relative to the root
         self.stop_reader, self.stop_writer = os.pipe()
-        self._add(self.root, "")
+        try:
+            self._add(self.root, "")
+        except BaseException:
+            for fd in (self.fd, self.stop_reader, self.stop_writer):
+                os.close(fd)
+            raise
 
     def _add(self, folder: str, relative: str) -> None:
         descriptor = self.libc.inotify_add_watch(self.fd, folder.encode(), WATCH_MASK)
