@@ -707,37 +707,18 @@ class LocalRuntime:
             await asyncio.gather(self._start_processes(template), self._map_ram_in(source) if live else asyncio.sleep(0))
             await template_monitor.connect()
             await template_monitor.execute("migrate-incoming", {"uri": f"unix:{stream}"})
-            monitor = await self._monitor(source.id)
-            # x-ignore-shared off: a fork had it on to load its own state, and all of the
-            # memory must reach the template.
-            await set_capabilities(monitor, background_snapshot=live, x_ignore_shared=False)
-            # QEMU caps migration at 128 MiB/s by default, a limit meant for networks: the
-            # stream here is a local socket, and every forks waits for its end.
-            await monitor.execute("migrate-set-parameters", {"max-bandwidth": UNLIMITED_BANDWIDTH})
             # Forks asked for until this instant share it; later ones wait for the next.
             if batch is not None:
                 if self._next_capture.get(source.id) is batch:
                     del self._next_capture[source.id]
                 self._captures_in_use[capture_id] += batch.forks
-            await monitor.execute("stop")
-            paused_at = time.monotonic()
-            try:
-                capture = Capture(id=capture_id, folder=folder, disk_frozen=await self._freeze_disk(source, monitor))
-                if batch is not None:
-                    batch.frozen.set_result(capture)  # its forks may start their QEMUs now
-                await monitor.execute("migrate", {"uri": f"unix:{stream}"})
-                if live:
-                    # The snapshot restarts the vCPUs itself once the state is taken,
-                    # at the instant the disk was frozen.
-                    await wait_running(monitor)
-                else:
-                    await wait_migration(monitor, {"completed"})
-                    await monitor.execute("cont")
-            except BaseException:
-                await resume(monitor)
-                raise
-            pause_s = time.monotonic() - paused_at
-            await wait_migration(monitor, {"completed"})
+
+            def frozen(chain: list[str]) -> None:
+                if batch is not None:  # its forks may start their QEMUs now
+                    batch.frozen.set_result(Capture(id=capture_id, folder=folder, disk_frozen=chain))
+
+            chain, pause_s, _ = await self._send_instant(source, f"unix:{stream}", frozen)
+            capture = Capture(id=capture_id, folder=folder, disk_frozen=chain)
             await wait_incoming(template_monitor)
             await set_capabilities(template_monitor, x_ignore_shared=True)
             await template_monitor.execute("migrate", {"uri": f"exec:cat > {folder / 'state'}"})
@@ -754,6 +735,41 @@ class LocalRuntime:
         self._release(capture_id)
         log.info("capture taken source=%s capture=%s pause_ms=%.1f", source.id, capture_id, pause_s * 1000)
         return dataclasses.replace(capture, pause_s=pause_s)
+
+    async def _send_instant(
+        self, source: Machine, uri: str, on_frozen: Callable[[list[str]], None] | None = None
+    ) -> tuple[list[str], float, dict[str, Any]]:
+        """Stop the source, give its disk a new top layer, and migrate it to ``uri``: as a
+        background snapshot the source runs again once its device state is taken, its RAM
+        following. Returns the frozen chain, how long the vCPUs stood still, and the
+        migration's last status. ``on_frozen`` gets the chain as soon as it is fixed."""
+        live = source.ram_capture is None  # see _capture: a fork stays stopped while its memory moves
+        monitor = await self._monitor(source.id)
+        # x-ignore-shared off: a fork had it on to load its own state, and all of the
+        # memory must go.
+        await set_capabilities(monitor, background_snapshot=live, x_ignore_shared=False)
+        # QEMU caps migration at 128 MiB/s by default, a limit meant for networks: the
+        # stream here is a local socket (or a cluster's network), and every fork waits for its end.
+        await monitor.execute("migrate-set-parameters", {"max-bandwidth": UNLIMITED_BANDWIDTH})
+        await monitor.execute("stop")
+        paused_at = time.monotonic()
+        try:
+            chain = await self._freeze_disk(source, monitor)
+            if on_frozen is not None:
+                on_frozen(chain)
+            await monitor.execute("migrate", {"uri": uri})
+            if live:
+                # The snapshot restarts the vCPUs itself once the state is taken, at the
+                # instant the disk was frozen.
+                await wait_running(monitor)
+            else:
+                await wait_migration(monitor, {"completed"})
+                await monitor.execute("cont")
+        except BaseException:
+            await resume(monitor)
+            raise
+        pause_s = time.monotonic() - paused_at
+        return chain, pause_s, await wait_migration(monitor, {"completed"})
 
     async def _map_ram_in(self, source: Machine) -> None:
         """Fault all of the source's guest RAM into its QEMU's page tables now, while it runs.
@@ -1036,24 +1052,8 @@ class LocalRuntime:
         async with self._capture_lock(vm_id):
             if live:
                 await self._map_ram_in(source)
-            monitor = await self._monitor(vm_id)
-            await set_capabilities(monitor, background_snapshot=live, x_ignore_shared=False)
-            await monitor.execute("migrate-set-parameters", {"max-bandwidth": UNLIMITED_BANDWIDTH})
-            await monitor.execute("stop")
-            paused_at = time.monotonic()
-            try:
-                frozen = await self._freeze_disk(source, monitor)
-                await monitor.execute("migrate", {"uri": uri})
-                if live:
-                    await wait_running(monitor)
-                else:
-                    await wait_migration(monitor, {"completed"})
-                    await monitor.execute("cont")
-            except BaseException:
-                await resume(monitor)
-                raise
-            pause_s = time.monotonic() - paused_at
-            sent = (await wait_migration(monitor, {"completed"})).get("ram", {}).get("transferred", 0)
+            frozen, pause_s, status = await self._send_instant(source, uri)
+            sent = status.get("ram", {}).get("transferred", 0)
             layer = await self._export_chain(image, frozen[-1])
             with contextlib.suppress(BoxdError):
                 await self._agent(vm_id).set_time()  # its guest clock stood still
