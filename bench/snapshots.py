@@ -86,7 +86,7 @@ async def main(args) -> None:
         runtime = bench.runtime
         report.host = host_facts(runtime)
         results = report.results
-        sb = SnapshotBench(bench, args)
+        sb = SnapshotBench(bench)
         tag = sb.tag
         with LogCapture("boxd.runtime.local") as logs:
             # -- baseline: fresh boots; the last one stays and is checkpointed ---------------
