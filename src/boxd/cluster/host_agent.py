@@ -67,18 +67,20 @@ class HostAgent:
         self.runtime = LocalRuntime(self.home, api_address=api_address, ports=ports)
         self._uploads: dict[str, tuple[asyncio.Queue, asyncio.Task]] = {}
         self._adopted = False
+        self._adopting = asyncio.Lock()
 
     async def _adopt_all(self) -> None:
         """Before its first answer, an agent takes over the machines an earlier agent of
         this node left (Ray restarted it after a crash, or its worker was killed)."""
-        if self._adopted:
-            return
-        self._adopted = True
-        for vm_id in self.machine_ids():
-            try:
-                await self.runtime.adopt(vm_id)
-            except Exception as error:  # one machine's broken state must not stop the others
-                log.warning("host %s: cannot adopt %s: %s", self.name, vm_id, error)
+        async with self._adopting:  # calls that come meanwhile wait for it
+            if self._adopted:
+                return
+            for vm_id in self.machine_ids():
+                try:
+                    await self.runtime.adopt(vm_id)
+                except Exception as error:  # one machine's broken state must not stop the others
+                    log.warning("host %s: cannot adopt %s: %s", self.name, vm_id, error)
+            self._adopted = True
 
     def machine_ids(self) -> list[str]:
         vms = self.home / "vms"
