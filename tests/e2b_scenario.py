@@ -223,8 +223,10 @@ async def run_checks(sandbox, holder: dict) -> None:
         assert paused in (True, None), paused
         info = await step(SANDBOX.get_info, sandbox.sandbox_id)
         assert info.state.value == "paused", info.state
+        assert not await step(sandbox.is_running)
         connected = await step(SANDBOX.connect, sandbox.sandbox_id)
         assert (await step(SANDBOX.get_info, sandbox.sandbox_id)).state.value == "running"
+        assert await step(connected.is_running)
         token = holder["token"].split(":")[0]
         assert await answer_of(connected, "after-pause", holder["pid"]) == f"{token}:after-pause"
 
@@ -314,8 +316,10 @@ async def run_checks(sandbox, holder: dict) -> None:
 
     async def kill():
         doomed = await step(SANDBOX.create, template=SNAPSHOT)
+        assert await step(doomed.is_running)
         await step(doomed.kill)
         assert await gone(doomed.sandbox_id, 5)
+        assert not await step(doomed.is_running)
         assert doomed.sandbox_id not in {item.sandbox_id for item in await step(SANDBOX.list().next_items)}
 
     for name, body in [

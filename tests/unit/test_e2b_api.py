@@ -147,11 +147,15 @@ async def test_pause_then_connect_resumes_and_a_second_pause_conflicts(plane, e2
     url = f"{E2B}/sandboxes/{sandbox['sandboxID']}"
     assert (await e2b.post(f"{url}/pause")).status_code == 204
     assert (await e2b.get(url)).json()["state"] == "paused"
+    # What the SDKs' is_running() asks: a paused sandbox is not running.
+    health = await e2b.get(f"{E2B}/health", headers=envd_headers(sandbox))
+    assert health.status_code == 502 and "was not found" in health.json()["message"]
     assert (await e2b.post(f"{url}/pause")).status_code == 409
     resumed = await e2b.post(f"{E2B}/v2/sandboxes/{sandbox['sandboxID']}/connect", json={"timeout": 60})
     assert resumed.status_code == 201 and resumed.json()["envdAccessToken"] == sandbox["envdAccessToken"]
     again = await e2b.post(f"{E2B}/sandboxes/{sandbox['sandboxID']}/connect", json={"timeout": 60})
     assert again.status_code == 200 and (await e2b.get(url)).json()["state"] == "running"
+    assert (await e2b.get(f"{E2B}/health", headers=envd_headers(sandbox))).status_code == 204
 
 
 async def test_a_sandbox_past_its_time_is_killed_or_paused_if_it_asked(plane, e2b):

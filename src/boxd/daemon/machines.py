@@ -324,6 +324,10 @@ class MachineService:
             return self._fail(machine.id, reason) or machine
         return machine
 
+    def state_of(self, account: str, ref: str) -> MachineState:
+        """As the store has it, without asking the runtime or counting as a use."""
+        return self._store.find_machine(account, ref).state
+
     async def get(self, account: str, ref: str) -> Machine:
         machine = await self._refreshed(self._store.find_machine(account, ref))
         self.activity.touch(machine.id)

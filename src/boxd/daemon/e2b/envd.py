@@ -24,7 +24,8 @@ from starlette.datastructures import UploadFile
 from boxd.daemon.e2b import envd_wire as wire
 from boxd.daemon.e2b.connect import ConnectError, Message, parse_message, read_envelopes, server_stream, unary
 from boxd.daemon.e2b.service import SandboxService, Target
-from boxd.errors import BoxdError, InvalidInput, NotFound
+from boxd.errors import BoxdError, InvalidInput, NotFound, Unreachable
+from boxd.models import MachineState
 from boxd.runtime.agent_client import ExecEvent
 from boxd.runtime.interface import ExecRequest
 
@@ -395,7 +396,12 @@ async def fs_remove(request: Request) -> Response:
 
 
 @router.get("/health")
-async def health() -> Response:
+async def health(request: Request) -> Response:
+    """204 while the sandbox runs; a paused or gone one answers as E2B's proxy does (502,
+    "... was not found"), which the SDKs read as not running."""
+    target = await _target(request)
+    if target.machines.state_of(target.account, target.machine) in (MachineState.PAUSED, MachineState.STOPPED):
+        raise Unreachable(f"The sandbox {target.machine} was not found: it is paused")
     return Response(status_code=204)
 
 

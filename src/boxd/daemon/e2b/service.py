@@ -1,9 +1,10 @@
 """E2B sandboxes as boxd machines: what each control-plane call does to them.
 
 A sandbox is a machine this API created, with a row of its own (template, metadata,
-environment, the token its envd calls carry, when it expires). ``pause`` suspends the
-machine (boxd hibernates it later if it stays idle) and clears its expiry until it is
-resumed; a sandbox whose time runs out is killed, or paused if it asked for that.
+environment, the token its envd calls carry, when it expires). It never sleeps for being
+idle; ``pause`` hibernates it (its memory and processes to disk, nothing held) and
+clears its expiry until it is resumed; a sandbox whose time runs out is killed, or
+paused if it asked for that.
 """
 
 from __future__ import annotations
@@ -139,8 +140,10 @@ class SandboxService:
             if snapshot.state is not SnapshotState.READY:
                 raise Conflict(f"snapshot {snapshot.ref} is {snapshot.state.value}", field="templateID")
             from_snapshot = snapshot.ref
+        # No idle sleeping: a sandbox's life is its timeout and its pauses, as in E2B.
         machine = await self.machines.create(account, MachineCreate(
             name=_new_name(), isolated=not request.allow_internet_access, from_snapshot=from_snapshot,
+            suspend_after_s=0, hibernate_after_s=0,
         ))
         record = SandboxRecord(
             machine=machine.id, template=request.template_id, metadata=request.metadata, env=request.env_vars,
@@ -184,7 +187,7 @@ class SandboxService:
         _, machine = self._find(account, sandbox_id)
         if machine.state in _PAUSED:
             raise Conflict(f"sandbox {sandbox_id} is already paused", field="sandboxID")
-        await self.machines.suspend(account, sandbox_id)
+        await self.machines.hibernate(account, sandbox_id)
         self._store.set_sandbox_expiry(sandbox_id, None)
         event(log, "e2b.sandbox_paused", machine=sandbox_id)
 
@@ -295,7 +298,7 @@ class SandboxService:
             try:
                 if record.auto_pause and machine.state not in _GONE:
                     if machine.state not in _PAUSED:
-                        await self.machines.suspend(account, machine.id)
+                        await self.machines.hibernate(account, machine.id)
                     self._store.set_sandbox_expiry(machine.id, None)
                 else:
                     await self.machines.delete(account, machine.id)
