@@ -341,16 +341,25 @@ def test_a_watch_reports_changes_in_a_directory_tree_until_it_is_left(agent_sock
                     return
 
         collecting = asyncio.create_task(collect())
-        await asyncio.sleep(0.3)  # the watch is in place
+
+        async def folders_watched(count: int) -> None:
+            # A watch's folders are watched once it is on record; a new folder once its create is read.
+            while not any(len(w.folders) >= count for w in list(agent_socket.agent.watches.values())):
+                await asyncio.sleep(0.02)
+
+        await asyncio.wait_for(folders_watched(2), 10)  # the root and sub
         (root / "a.txt").write_text("x")
         (root / "a.txt").rename(root / "b.txt")
         (root / "b.txt").unlink()
         (root / "sub" / "new").mkdir()
-        await asyncio.sleep(0.3)  # a new folder is watched once its create is seen
+        await asyncio.wait_for(folders_watched(3), 10)
         (root / "sub" / "new" / "deeper.txt").write_text("y")
         await asyncio.wait_for(collecting, 10)
         await changes.aclose()
-        await asyncio.sleep(0.2)
+        for _ in range(250):  # the agent ends the watch when the unwatch comes
+            if not agent_socket.agent.watches:
+                break
+            await asyncio.sleep(0.02)
         watches_left = len(agent_socket.agent.watches)
         with pytest.raises(NotFound):
             async for _ in client.watch(str(root / "missing")):
