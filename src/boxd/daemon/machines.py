@@ -469,6 +469,8 @@ class MachineService:
     async def mark_lost(self) -> None:
         """Machines whose host died become ``lost``: on record, out of the quota."""
         lost = set(await self.runtime.lost())
+        if not lost:  # every tick of the idle watch asks: spare the store the read
+            return
         for machine in self._store.machines_on_host():
             if machine.id in lost:
                 self._store.update_machine(machine.id, state=MachineState.LOST,
@@ -550,12 +552,6 @@ class MachineService:
     # -- inside the machine -----------------------------------------------------------
 
     async def exec_stream(self, account: str, ref: str, body: ExecBody) -> AsyncIterator[ExecEvent]:
-        machine = await self.usable(account, ref)
-        with self.activity.busy(machine.id):
-            async for item in self._exec_events(machine, body):
-                yield item
-
-    async def _exec_events(self, machine: Machine, body: ExecBody) -> AsyncIterator[ExecEvent]:
         request = ExecRequest(
             argv=body.argv,
             shell=body.cmd,
@@ -565,8 +561,7 @@ class MachineService:
             stdin=None if body.stdin_b64 is None else base64.b64decode(body.stdin_b64),
             timeout=body.timeout,
         )
-        event(log, "machine.exec", machine=machine.id, argv=body.argv, shell=body.cmd, user=body.user)
-        async for item in self.runtime.exec(machine.id, request):
+        async for item in self.run_process(account, ref, request):
             if item.kind == "exit":
                 yield ExecEvent(
                     type="exit", exit_code=_exit_code(item.exit_code, item.signal), timed_out=item.timed_out
