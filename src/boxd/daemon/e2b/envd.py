@@ -324,19 +324,15 @@ async def _entry(target: Target, path: str) -> wire.EntryInfo:
     entry = (await _fs(target, "stat", path=path))["entry"]
     pointed = None
     if entry["type"] == "symlink":
-        with contextlib.suppress(ConnectError):  # a dangling link is described as itself
+        with contextlib.suppress(NotFound, InvalidInput):  # a dangling link is described as itself
             link = entry["target"]
             pointed = (await _fs(target, "stat", path=posixpath.join(posixpath.dirname(path), link)))["entry"]
     return wire.EntryInfo.of(entry, pointed)
 
 
 async def _fs(target: Target, op: str, **fields: Any) -> dict[str, Any]:
-    try:
-        return await target.machines.fs_op(target.account, target.machine, op, **fields)
-    except NotFound as error:
-        raise ConnectError("not_found", error.message) from None
-    except InvalidInput as error:
-        raise ConnectError("invalid_argument", error.message) from None
+    """One of the agent's file operations; its errors become Connect's by their code."""
+    return await target.machines.fs_op(target.account, target.machine, op, **fields)
 
 
 @router.post("/filesystem.Filesystem/Stat")
@@ -483,15 +479,9 @@ _EVENT_TYPES = {"create": wire.EventType.CREATE, "write": wire.EventType.WRITE, 
                 "rename": wire.EventType.RENAME, "chmod": wire.EventType.CHMOD}
 
 
-def _changes(target: Target, path: str, recursive: bool) -> AsyncIterator[wire.FilesystemEvent]:
-    async def changes() -> AsyncIterator[wire.FilesystemEvent]:
-        try:
-            async for name, kind in target.machines.watch_dir(target.account, target.machine, path, recursive=recursive):
-                yield wire.FilesystemEvent(name=name, type=_EVENT_TYPES[kind])
-        except NotFound as error:
-            raise ConnectError("not_found", error.message) from None
-
-    return changes()
+async def _changes(target: Target, path: str, recursive: bool) -> AsyncIterator[wire.FilesystemEvent]:
+    async for name, kind in target.machines.watch_dir(target.account, target.machine, path, recursive=recursive):
+        yield wire.FilesystemEvent(name=name, type=_EVENT_TYPES[kind])
 
 
 class Watchers:
@@ -517,7 +507,7 @@ class Watchers:
         return watcher_id
 
     async def _collect(self, watcher_id: str, first: asyncio.Future, changes: AsyncIterator[wire.FilesystemEvent]) -> None:
-        with contextlib.suppress(StopAsyncIteration, BoxdError, ConnectError):
+        with contextlib.suppress(StopAsyncIteration, BoxdError):
             self._events[watcher_id].append(await first)
             async for change in changes:
                 self._events[watcher_id].append(change)
