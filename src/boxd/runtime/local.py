@@ -681,32 +681,17 @@ class LocalRuntime:
         folder = self.captures_dir / capture_id
         folder.mkdir(parents=True)
         self._captures_in_use[capture_id] += 1
-        # The template only receives memory; its disk is a throwaway it never writes.
-        template_disk = folder / "template.qcow2"
-        template = self._launch(
-            source,
-            image,
-            name=f"capture-{capture_id}",
-            run_dir=folder / "template",
-            ram_file=folder / "ram",
-            ram_shared=True,
-            incoming=True,
-            disk=template_disk,
-            console_log=folder / "template.console",
-            unplugged=True,
-            forward=None,  # the source's URL port is the source's (slirp would try to bind it again)
-        )
-        template_monitor = Monitor(template.qmp_socket, template.name)
+        template = self._template(source, image, folder)
         stream = template.run_dir / "migrate.sock"
         # A fork's RAM is a private mapping of its own capture, which userfaultfd could
         # not write-protect here (the snapshot hung): such a source stays stopped while
         # its memory moves.
         live = source.ram_capture is None
+        template_monitor = None
         try:
-            await create_overlay(template_disk, image.rootfs, source.spec.disk_gib)
-            await asyncio.gather(self._start_processes(template), self._map_ram_in(source) if live else asyncio.sleep(0))
-            await template_monitor.connect()
-            await template_monitor.execute("migrate-incoming", {"uri": f"unix:{stream}"})
+            template_monitor = await self._open_template(
+                template, image, source.spec.disk_gib, f"unix:{stream}", map_ram_of=source if live else None
+            )
             # Forks asked for until this instant share it; later ones wait for the next.
             if batch is not None:
                 if self._next_capture.get(source.id) is batch:
@@ -719,22 +704,66 @@ class LocalRuntime:
 
             chain, pause_s, _ = await self._send_instant(source, f"unix:{stream}", frozen)
             capture = Capture(id=capture_id, folder=folder, disk_frozen=chain)
-            await wait_incoming(template_monitor)
-            await set_capabilities(template_monitor, x_ignore_shared=True)
-            await template_monitor.execute("migrate", {"uri": f"exec:cat > {folder / 'state'}"})
-            await wait_migration(template_monitor, {"completed"})
+            await self._keep_template_state(template_monitor, folder)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             self._captures_in_use.pop(capture_id, None)  # its forks fail with this error
             raise
         finally:
-            await template_monitor.close()
-            await stop_processes(template.run_dir)
-            shutil.rmtree(template.run_dir, ignore_errors=True)
-            template_disk.unlink(missing_ok=True)
+            await self._end_template(template_monitor, folder)
         self._release(capture_id)
         log.info("capture taken source=%s capture=%s pause_ms=%.1f", source.id, capture_id, pause_s * 1000)
         return dataclasses.replace(capture, pause_s=pause_s)
+
+    def _template(self, machine: Machine, image: Image, folder: Path) -> Launch:
+        """A QEMU shaped like ``machine`` that only receives its memory, into ``folder/ram``;
+        it never runs, and its disk is a throwaway it never writes."""
+        return self._launch(
+            machine,
+            image,
+            name=f"capture-{folder.name}",
+            run_dir=folder / "template",
+            ram_file=folder / "ram",
+            ram_shared=True,
+            incoming=True,
+            disk=folder / "template.qcow2",
+            console_log=folder / "template.console",
+            unplugged=True,
+            forward=None,  # the source's URL port is the source's (slirp would try to bind it again)
+        )
+
+    async def _open_template(
+        self, template: Launch, image: Image, disk_gib: int, uri: str, *, map_ram_of: Machine | None = None
+    ) -> Monitor:
+        """Start a template and have it wait for a migration on ``uri``; the source's RAM is
+        faulted in meanwhile (``map_ram_of``). Returns its monitor."""
+        await create_overlay(template.disk, image.rootfs, disk_gib)
+        await asyncio.gather(
+            self._start_processes(template), self._map_ram_in(map_ram_of) if map_ram_of else asyncio.sleep(0)
+        )
+        monitor = Monitor(template.qmp_socket, template.name)
+        try:
+            await monitor.connect()
+            await monitor.execute("migrate-incoming", {"uri": uri})
+        except BaseException:
+            await monitor.close()
+            raise
+        return monitor
+
+    async def _keep_template_state(self, monitor: Monitor, folder: Path) -> None:
+        """Once the memory is in: the template's device state, written beside its RAM."""
+        await wait_incoming(monitor)
+        await set_capabilities(monitor, x_ignore_shared=True)
+        await monitor.execute("migrate", {"uri": f"exec:cat > {folder / 'state'}"})
+        await wait_migration(monitor, {"completed"})
+
+    async def _end_template(self, monitor: Monitor | None, folder: Path) -> None:
+        """The template gone, process, run folder and disk; the capture's RAM and state stay."""
+        if monitor is not None:
+            await monitor.close()
+        await stop_processes(folder / "template")
+        shutil.rmtree(folder / "template", ignore_errors=True)
+        (folder / "template.qcow2").unlink(missing_ok=True)
 
     async def _send_instant(
         self, source: Machine, uri: str, on_frozen: Callable[[list[str]], None] | None = None
@@ -996,18 +1025,11 @@ class LocalRuntime:
         folder.mkdir(parents=True)
         self._captures_in_use[capture_id] += 1
         model = Machine(id=capture_id, spec=spec, image_path=str(image.path), disk_top="")
-        template = self._launch(
-            model, image, name=f"capture-{capture_id}", run_dir=folder / "template", ram_file=folder / "ram",
-            ram_shared=True, incoming=True, disk=folder / "template.qcow2", console_log=folder / "template.console",
-            unplugged=True, forward=None,
-        )
+        port = free_port(self.ports)
         try:
-            await create_overlay(template.disk, image.rootfs, spec.disk_gib)
-            await self._start_processes(template)
-            monitor = Monitor(template.qmp_socket, template.name)
-            await monitor.connect()
-            port = free_port(self.ports)
-            await monitor.execute("migrate-incoming", {"uri": f"tcp:{listen_host}:{port}"})
+            monitor = await self._open_template(
+                self._template(model, image, folder), image, spec.disk_gib, f"tcp:{listen_host}:{port}"
+            )
         except BaseException:
             await self.drop_capture(capture_id)
             raise
@@ -1021,18 +1043,12 @@ class LocalRuntime:
             raise NotFound(f"capture {capture_id}: not being received here", field="capture")
         folder = self.captures_dir / capture_id
         try:
-            await wait_incoming(monitor)
-            await set_capabilities(monitor, x_ignore_shared=True)
-            await monitor.execute("migrate", {"uri": f"exec:cat > {folder / 'state'}"})
-            await wait_migration(monitor, {"completed"})
+            await self._keep_template_state(monitor, folder)
         except BaseException:
             await monitor.close()
             await self.drop_capture(capture_id)
             raise
-        await monitor.close()
-        await stop_processes(folder / "template")
-        shutil.rmtree(folder / "template", ignore_errors=True)
-        (folder / "template.qcow2").unlink(missing_ok=True)
+        await self._end_template(monitor, folder)
 
     async def drop_capture(self, capture_id: str) -> None:
         """Give up a capture being received (its sender failed)."""
