@@ -182,7 +182,7 @@ async def process_start(request: Request) -> Response:
         user=user_of(request),
         keep_stdin=True if message.stdin is None else message.stdin,
         tag=message.tag or None,
-        pty=None if pty is None else {"rows": pty.rows or 24, "cols": pty.cols or 80},
+        pty=None if pty is None else pty.window(),
     )
     events = target.machines.run_process(target.account, target.machine, run)
     # The first event (started, or the error that kept it from starting) comes before
@@ -301,9 +301,7 @@ async def process_send_signal(request: Request) -> Response:
 async def process_update(request: Request) -> Response:
     async def handle(message: wire.UpdateRequest) -> wire.Empty:
         if message.pty is not None:
-            size = message.pty.size
-            await _process_op(await _target(request), "resize", message.process,
-                              pty={"rows": size.rows or 24, "cols": size.cols or 80})
+            await _process_op(await _target(request), "resize", message.process, pty=message.pty.size.window())
         return wire.Empty()
 
     return await unary(request, wire.UpdateRequest, handle)

@@ -55,6 +55,10 @@ class PTYSize(_Message):
     cols: int = Field(default=80, ge=0, le=65535)
     rows: int = Field(default=24, ge=0, le=65535)
 
+    def window(self) -> dict[str, int]:
+        """For the agent; proto3 sends a 0 it leaves out as 0, which means the default here."""
+        return {"rows": self.rows or 24, "cols": self.cols or 80}
+
 
 class PTY(_Message):
     size: PTYSize = Field(default_factory=PTYSize)
