@@ -101,8 +101,11 @@ class HostAgent:
         if method not in CALLS:
             raise InvalidInput(f"method: the host agent does not offer {method!r}", field="method")
         await self._adopt_all()
+        # What starts a QEMU here needs the guest image here first.
         if method == "create":
             await self._ensure_image(args[1])
+        elif method == "receive_capture":
+            await self._ensure_image(args[0])
         answer = getattr(self.runtime, method)(*args, **kwargs)
         return await answer if inspect.isawaitable(answer) else answer
 
@@ -160,12 +163,12 @@ class HostAgent:
         return await asyncio.to_thread(self.runtime.export_chunk, name, offset, length)
 
     async def import_layer(self, name: str, size: int, source: Any, image_digest: str) -> int:
-        """Copy an exported disk layer from the host agent ``source`` unless this host has it."""
+        """Copy an exported disk layer from the host agent ``source`` unless this host has it
+        (after ``receive_capture``, which brought the image)."""
 
         async def fetch(offset: int, length: int) -> bytes:
             return await source.layer_chunk.remote(name, offset, length)
 
-        await self._ensure_image(VMSpec(image=image_digest))
         return await self.runtime.import_layer(name, size, fetch, image_digest)
 
     # -- uploads ----------------------------------------------------------------------
