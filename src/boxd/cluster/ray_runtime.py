@@ -10,6 +10,7 @@ machines with it: ``lost()`` names them, and the daemon marks them lost.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -38,6 +39,7 @@ NAMESPACE = "boxd"
 CHECK_EVERY_S = 2.0
 INFO_TIMEOUT_S = 10.0  # a host that does not say how a machine is within this is taken as unreachable
 UPLOAD_PART = 1024 * 1024
+MOVED_KEPT = 256
 
 
 @dataclasses.dataclass
@@ -79,7 +81,8 @@ class RayRuntime:
         self._snapshot_hosts: dict[str, set[str]] = {}  # digest -> hosts holding it
         # Memory promised to creates still under way: a burst must not all see the same room.
         self._reserved_mib: dict[str, int] = {}
-        self.moved: list[dict[str, Any]] = []  # what each fork across hosts carried (benchmarks read it)
+        # What the latest forks across hosts carried (benchmarks read it); bounded, as a daemon runs long.
+        self.moved: collections.deque[dict[str, Any]] = collections.deque(maxlen=MOVED_KEPT)
         self._watch: asyncio.Task | None = None
 
     # -- hosts ------------------------------------------------------------------------
