@@ -128,7 +128,9 @@ class FakeRuntime:
             url_port=None if vm.hibernated else vm.url_port,
         )
 
-    async def create(self, vm_id: str, spec: VMSpec, *, snapshot: str | None = None) -> VMInfo:
+    async def create(
+        self, vm_id: str, spec: VMSpec, *, snapshot: str | None = None, host: str | None = None
+    ) -> VMInfo:
         if self.fail_create is not None:
             raise self.fail_create
         if vm_id in self.host.vms:

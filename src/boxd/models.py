@@ -83,6 +83,7 @@ class MachineCreate(_Wire):
         description="start at a snapshot's instant: NAME (its newest version), NAME@VERSION or its digest; "
         "the machine then takes its size and isolation from the snapshot",
     )
+    host: str | None = Field(default=None, description="on a cluster: the host to start it on (default: boxd's choice)")
 
     @field_validator("name")
     @classmethod

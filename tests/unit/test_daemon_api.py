@@ -194,6 +194,19 @@ async def test_bad_sizes_are_422_naming_the_field(plane, alice, fields, field):
     assert (await alice.get("/v1/machines")).json() == []
 
 
+async def test_a_host_that_is_not_up_is_404_naming_the_field_and_changes_nothing(alice):
+    # One host here, so no host name is one to start on or fork onto.
+    response = await alice.post("/v1/machines", json={"name": "pinned", "host": "boxd-host-elsewhere"})
+    assert response.status_code == 404, response.text
+    assert error_of(response)["field"] == "host"
+    assert (await alice.get("/v1/machines")).json() == []
+    source = await new_machine(alice)
+    await alice.post(f"/v1/machines/{source['id']}/wait", params={"timeout": 5})
+    forked = await alice.post(f"/v1/machines/{source['id']}/fork", json={"name": "away", "host": "boxd-host-elsewhere"})
+    assert forked.status_code == 404 and error_of(forked)["field"] == "host"
+    assert [m["id"] for m in (await alice.get("/v1/machines")).json()] == [source["id"]]
+
+
 async def test_malformed_json_is_422(alice):
     response = await alice.post("/v1/machines", content=b"{not json", headers={"content-type": "application/json"})
     assert response.status_code == 422

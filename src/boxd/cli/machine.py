@@ -38,6 +38,7 @@ def machine() -> None:
 @click.option("--no-idle", is_flag=True, help="never suspend or hibernate it for being idle")
 @click.option("--http-port", type=int, default=8080, show_default=True, help="the port in the machine its URL leads to")
 @click.option("--public", is_flag=True, help="its URL answers without the account's key")
+@click.option("--host", help="on a cluster: the host to start it on (default: the roomiest of a few)")
 @click.option("--timeout", type=float, default=300, show_default=True, help="seconds to wait until ready")
 def new(
     name: str,
@@ -51,6 +52,7 @@ def new(
     no_idle: bool,
     http_port: int,
     public: bool,
+    host: str | None,
     timeout: float,
 ) -> None:
     """Create a machine and wait until it is ready.
@@ -67,7 +69,7 @@ def new(
         created = boxd.machines.new(
             name, vcpus=vcpus, memory_mib=memory_mib, disk_gib=disk_gib, isolated=isolated,
             from_snapshot=from_snapshot, suspend_after_s=suspend_after_s, hibernate_after_s=hibernate_after_s,
-            http_port=http_port, public=public,
+            http_port=http_port, public=public, host=host,
         )
         ready = boxd.machines.wait_until_ready(created, timeout=timeout)
     output.machine(ready)

@@ -207,25 +207,30 @@ class RayRuntime:
 
     # -- the runtime interface --------------------------------------------------------
 
-    async def create(self, vm_id: str, spec: VMSpec, *, snapshot: str | None = None) -> VMInfo:
-        """On the best host for it; from a snapshot, that host first copies the snapshot
-        from one that holds it, if it does not hold it itself."""
+    async def create(
+        self, vm_id: str, spec: VMSpec, *, snapshot: str | None = None, host: str | None = None
+    ) -> VMInfo:
+        """On ``host`` or else the best host for it; from a snapshot, that host first copies
+        the snapshot from one that holds it, if it does not hold it itself."""
         loads = await self.loads()
+        if host is not None:
+            pinned = await self._live_host(host)
+            loads = [load for load in loads if load.host == pinned.name]
         tried = []
         for load in candidates(loads, spec.memory_mib):
-            host = self._hosts[load.host]
-            self._reserved_mib[host.name] = self._reserved_mib.get(host.name, 0) + spec.memory_mib
+            target = self._hosts[load.host]
+            self._reserved_mib[target.name] = self._reserved_mib.get(target.name, 0) + spec.memory_mib
             try:
                 if snapshot is not None:
-                    await self._bring_snapshot(snapshot, host)
-                info = await self._ask(host, host.handle.call.remote("create", vm_id, spec, snapshot=snapshot))
+                    await self._bring_snapshot(snapshot, target)
+                info = await self._ask(target, target.handle.call.remote("create", vm_id, spec, snapshot=snapshot))
             except HostError as error:  # full after all (disk, tmpfs): the next one
-                tried.append(f"{host.name}: {error.message}")
+                tried.append(f"{target.name}: {error.message}")
                 continue
             finally:
-                self._reserved_mib[host.name] -= spec.memory_mib
-            self._owners[vm_id] = host.name
-            return self._info(info, host)
+                self._reserved_mib[target.name] -= spec.memory_mib
+            self._owners[vm_id] = target.name
+            return self._info(info, target)
         where = "; ".join(tried) or f"{len(loads)} host(s) up, none with {spec.memory_mib} MiB to spare"
         raise HostError(f"memory_mib: no host can take this machine ({where})", field="memory_mib")
 
@@ -282,9 +287,7 @@ class RayRuntime:
         source = self._owner(source_id)
         spec: VMSpec = await self._call(source_id, "spec_of")
         if host is not None:
-            target = self._hosts.get(host)
-            if target is None or not target.alive:
-                raise NotFound(f"host: no live host {host} (hosts: {', '.join(await self.hosts())})", field="host")
+            target = await self._live_host(host)
         else:
             target = await self._fork_target(source, spec.memory_mib * len(new_ids))
         if target is source:
@@ -297,6 +300,12 @@ class RayRuntime:
 
     async def hosts(self) -> list[str]:
         return sorted(host.name for host in self._live_hosts())
+
+    async def _live_host(self, name: str) -> _Host:
+        host = self._hosts.get(name)
+        if host is None or not host.alive:
+            raise NotFound(f"host: no live host {name} (hosts: {', '.join(await self.hosts())})", field="host")
+        return host
 
     async def _fork_target(self, source: _Host, memory_mib: int) -> _Host:
         loads = {load.host: load for load in await self.loads()}

@@ -186,6 +186,10 @@ class MachineService:
                 field="memory_mib",
             )
 
+    async def _check_host(self, host: str | None) -> None:
+        if host is not None and host not in await self.runtime.hosts():
+            raise NotFound(f"host: no live host {host}", field="host")
+
     def lifecycle_lock(self, machine_id: str) -> asyncio.Lock:
         return self._lifecycle_locks.setdefault(machine_id, asyncio.Lock())
 
@@ -208,6 +212,7 @@ class MachineService:
                 }
             )
         self._check_host_limits(request)
+        await self._check_host(request.host)
         machine = self._store.add_machine(account, new_machine_id(), request)
         event(log, "machine.creating", machine=machine.id, account=account, name=machine.name,
               snapshot=snapshot.ref if snapshot else None)
@@ -223,15 +228,16 @@ class MachineService:
                 isolated=request.isolated,
                 http_port=request.http_port,
             )
-            return await self.runtime.create(machine.id, spec, snapshot=snapshot.digest if snapshot else None)
+            return await self.runtime.create(
+                machine.id, spec, snapshot=snapshot.digest if snapshot else None, host=request.host
+            )
 
         return await self._bring_up(account, machine, boot, "machine.started")
 
     async def fork(self, account: str, ref: str, request: MachineFork) -> Machine:
         """A new machine continuing from this instant of a running one; counts against the quota."""
         source = await self.usable(account, ref)
-        if request.host is not None and request.host not in await self.runtime.hosts():
-            raise NotFound(f"host: no live host {request.host}", field="host")
+        await self._check_host(request.host)
         # Its URL is its own and private until asked otherwise; the rest is its source's.
         copy = MachineCreate(
             name=request.name,

@@ -76,9 +76,12 @@ class CheckpointTaken:
 
 
 class Runtime(Protocol):
-    async def create(self, vm_id: str, spec: VMSpec, *, snapshot: str | None = None) -> VMInfo:
+    async def create(
+        self, vm_id: str, spec: VMSpec, *, snapshot: str | None = None, host: str | None = None
+    ) -> VMInfo:
         """Start a new machine from its image, or at a snapshot's instant (its digest);
-        returns once QEMU runs (not yet ready)."""
+        returns once QEMU runs (not yet ready). ``host``: where, when the runtime spans
+        several (default: its choice)."""
 
     async def adopt(self, vm_id: str) -> VMInfo:
         """Take over a machine a previous daemon started (after a restart)."""

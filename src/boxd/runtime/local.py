@@ -93,6 +93,12 @@ async def stop_processes(run_dir: Path) -> None:
     await stop_process(read_pid(run_dir / "passt.pid"), str(run_dir / "net.sock"))
 
 
+def _refuse_host(host: str | None) -> None:
+    if host is not None:
+        raise InvalidInput("host: this daemon runs machines on one host (boxd serve --ray spans several)",
+                           field="host")
+
+
 @dataclass
 class Machine:
     """What the runtime knows of one machine, persisted as machine.json."""
@@ -281,8 +287,11 @@ class LocalRuntime:
         if vm_id in self._machines or self._vm_dir(vm_id).exists():
             raise Conflict(f"machine {vm_id}: already exists", field="id")
 
-    async def create(self, vm_id: str, spec: VMSpec, *, snapshot: str | None = None) -> VMInfo:
+    async def create(
+        self, vm_id: str, spec: VMSpec, *, snapshot: str | None = None, host: str | None = None
+    ) -> VMInfo:
         """Boot a new machine from its image, or, given a snapshot's digest, start it at that instant."""
+        _refuse_host(host)
         self._check_new_id(vm_id)
         qemu_binary()  # before anything else: no QEMU is the most basic thing to report
         image = await self._image(spec.image)
@@ -541,9 +550,7 @@ class LocalRuntime:
         Forks asked for while no capture of the source is under way share the next one,
         so a burst of forks pauses the source once.
         """
-        if host is not None:
-            raise InvalidInput("host: this daemon runs machines on one host (boxd serve --ray spans several)",
-                               field="host")
+        _refuse_host(host)
         source = self._machine(source_id)
         for new_id in new_ids:
             self._check_new_id(new_id)

@@ -312,6 +312,7 @@ class AsyncMachines:
         hibernate_after_s: float | None = None,
         http_port: int = 8080,
         public: bool = False,
+        host: str | None = None,
     ) -> Machine:
         """Start a machine; it is ``starting`` until ``wait_until_ready`` returns.
 
@@ -321,7 +322,8 @@ class AsyncMachines:
         Idle, it is suspended after ``suspend_after_s`` seconds and hibernated
         ``hibernate_after_s`` seconds later (None: the daemon's default, 0: never); any
         use wakes it. Its URL (``Machine.url``) leads to port ``http_port`` in it, and
-        answers without the account's key if ``public``.
+        answers without the account's key if ``public``. On a cluster, ``host`` is where it
+        goes (default: the roomiest of a few hosts).
         """
         # Validated by the daemon, which owns the rules (some depend on its host).
         body: dict[str, Any] = {
@@ -334,6 +336,7 @@ class AsyncMachines:
             "hibernate_after_s": (hibernate_after_s, None),
             "http_port": (http_port, 8080),
             "public": (public, False),
+            "host": (host, None),
         }
         body.update({field: value for field, (value, default) in optional.items() if value != default})
         timeout = httpx.Timeout(self._client.timeout, read=CREATE_TIMEOUT)

@@ -187,12 +187,13 @@ class Machines:
         hibernate_after_s: float | None = None,
         http_port: int = 8080,
         public: bool = False,
+        host: str | None = None,
     ) -> Machine:
         return self._portal.call(
             lambda c: c.machines.new(
                 name, vcpus=vcpus, memory_mib=memory_mib, disk_gib=disk_gib, isolated=isolated,
                 from_snapshot=from_snapshot, suspend_after_s=suspend_after_s, hibernate_after_s=hibernate_after_s,
-                http_port=http_port, public=public,
+                http_port=http_port, public=public, host=host,
             )
         )
 
