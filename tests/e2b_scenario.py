@@ -334,4 +334,9 @@ async def run_checks(sandbox, holder: dict) -> None:
 if __name__ == "__main__":
     os.environ.setdefault("E2B_DOMAIN", "boxd.invalid")
     asyncio.run(main())
-    sys.exit(1 if failures else 0)
+    # Not sys.exit: the SDK's HTTP client (pyqwest, under connectrpc) leaves tokio worker
+    # threads that abort the process in about half the runs while Python finalizes, after
+    # every check has passed (seen with gdb). Those runs would report SIGABRT, not ours.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if failures else 0)

@@ -69,7 +69,7 @@ def daemon_log_on_failure(request, e2b_daemon):
 def test_the_e2b_sdk_runs_unmodified(e2b_daemon, version, flavor):
     url = f"{e2b_daemon.url}/e2b"
     env = {
-        "PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"),
+        "PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"), "PYTHONFAULTHANDLER": "1",
         "E2B_API_KEY": e2b_daemon.local_key(), "E2B_API_URL": url, "E2B_SANDBOX_URL": url,
     }
     done = subprocess.run(
