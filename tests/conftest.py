@@ -118,6 +118,16 @@ def machines(request, runtime, loop_thread, guest_image):
                 loop_thread.run(runtime.wait_ready(vm_id, timeout=120))
             return vm_id
 
+        def new_many(self, *specs: dict[str, Any]) -> list[str]:
+            """Machines that boot side by side (TCG runs each guest on a core of its own)."""
+            vm_ids = [self.new(ready=False, **spec) for spec in specs]
+
+            async def all_ready() -> None:
+                await asyncio.gather(*(runtime.wait_ready(vm_id, timeout=120) for vm_id in vm_ids))
+
+            loop_thread.run(all_ready())
+            return vm_ids
+
         def track(self, vm_id: str) -> str:
             self.made.append(vm_id)
             return vm_id

@@ -111,7 +111,7 @@ def test_the_url_port_leads_to_the_guest_and_stays_across_restore_and_hibernatio
 
 
 def test_no_machine_reaches_another_machines_url_port(machines, runtime):
-    target = machines.new()
+    target, *others = machines.new_many({}, {}, {"isolated": True})
     machines.run(sh(runtime, target, "echo secret > /home/boxd/secret.txt"))
     machines.run(serving(runtime, target))
     port = runtime._machines[target].url_port
@@ -123,10 +123,9 @@ def test_no_machine_reaches_another_machines_url_port(machines, runtime):
         "    try: print(urllib.request.urlopen(f\"http://{host}:" + str(port) + "/secret.txt\", timeout=3).read())\n"
         "    except Exception as e: print(\"refused\", type(e).__name__)'"
     )
-    for spec in ({}, {"isolated": True}):
-        vm = machines.new(**spec)
+    for vm in others:
         answers = machines.run(sh(runtime, vm, probe)).splitlines()
-        assert len(answers) == 2 and all(line.startswith("refused") for line in answers), (spec, answers)
+        assert len(answers) == 2 and all(line.startswith("refused") for line in answers), (vm, answers)
 
 
 def test_an_isolated_machine_has_a_url_port_too(machines, runtime):
