@@ -63,7 +63,9 @@ class Limits:
     # Half the host's RAM, so that one machine can never starve the host.
     max_memory_mib: int = field(default_factory=lambda: _host_memory_mib() // 2)
     max_upload_bytes: int = 2 * 1024**3
-    ready_timeout_s: float = 120.0
+    # A boot is about a second under KVM, but under TCG twenty machines started at once on
+    # two cores take minutes; a QEMU that dies is reported at once whatever this is.
+    ready_timeout_s: float = 300.0
 
 
 class ImageCache:
