@@ -46,10 +46,13 @@ from boxd.runtime.agent_client import AgentClient, ExecEvent
 from boxd.runtime.interface import DEFAULT_USER, CheckpointTaken, ExecRequest, VMInfo, VMSpec, VMState
 from boxd.runtime.network import start_passt
 from boxd.runtime.snapshots import (
+    PieceReader,
     Progress,
     SnapshotManifest,
     check_usable,
+    fetch_into,
     read_manifest,
+    read_piece,
     remove_partials,
     remove_snapshot,
     unpack_ram_and_state,
@@ -83,14 +86,21 @@ VM_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 MAX_FROZEN_LAYERS = 4
 # Bytes per second: QEMU refuses more than SIZE_MAX, and nothing local comes close to this.
 UNLIMITED_BANDWIDTH = 1 << 40
-LAYER_CHUNK = 8 * 1024 * 1024  # pieces of a disk layer copied between hosts
-EXPORTED_LAYER = re.compile(r"^layer-[0-9a-f]{32}\.qcow2$")
+EXPORTED_LAYER = re.compile(r"^layer-([0-9a-f]{32})\.qcow2$")  # named by its SHA-256's first half
 
 
 async def stop_processes(run_dir: Path) -> None:
     """QEMU and its network process, whichever of them runs from ``run_dir``."""
     await stop_process(read_pid(run_dir / "qemu.pid"), str(run_dir) + "/")
     await stop_process(read_pid(run_dir / "passt.pid"), str(run_dir / "net.sock"))
+
+
+def _layer_digest(name: str) -> str:
+    """The content digest an exported layer's name carries; any other name is refused."""
+    named = EXPORTED_LAYER.match(name)
+    if named is None:
+        raise InvalidInput(f"layer: {name!r} is not an exported layer", field="layer")
+    return named.group(1)
 
 
 def _refuse_host(host: str | None) -> None:
@@ -116,6 +126,13 @@ class Machine:
     suspended: bool = False  # its vCPUs stopped on purpose
     hibernated: bool = False  # no process; its state is in hibernation.zst
     pid: int | None = None
+
+    @property
+    def runs_while_captured(self) -> bool:
+        """Whether a capture lets it run on while its memory moves (a background snapshot).
+        A fork's RAM is a private mapping of its own capture, which userfaultfd could not
+        write-protect here (the snapshot hung): such a machine stays stopped meanwhile."""
+        return self.ram_capture is None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -296,15 +313,7 @@ class LocalRuntime:
         qemu_binary()  # before anything else: no QEMU is the most basic thing to report
         image = await self._image(spec.image)
         self._check_room(spec)
-        machine = Machine(
-            id=vm_id,
-            spec=spec,
-            image_path=str(image.path),
-            disk_top=f"{vm_id}-{secrets.token_hex(4)}.qcow2",
-            url_port=free_port(self.ports),
-        )
-        self._vm_dir(vm_id).mkdir(parents=True)
-        self._machines[vm_id] = machine
+        machine = self._new_machine(vm_id, spec, str(image.path))
         try:
             if snapshot is None:
                 await create_overlay(self.layers_dir / machine.disk_top, image.rootfs, spec.disk_gib)
@@ -317,6 +326,21 @@ class LocalRuntime:
             raise
         log.info("machine started id=%s pid=%s", vm_id, machine.pid)
         return await self.info(vm_id)
+
+    def _new_machine(self, vm_id: str, spec: VMSpec, image_path: str, **fields: Any) -> Machine:
+        """A machine known here, with its folder, the name of its own top layer and a URL
+        port of its own (forks never share one); nothing started yet."""
+        machine = Machine(
+            id=vm_id,
+            spec=spec,
+            image_path=image_path,
+            disk_top=f"{vm_id}-{secrets.token_hex(4)}.qcow2",
+            url_port=free_port(self.ports),
+            **fields,
+        )
+        self._vm_dir(vm_id).mkdir(parents=True)
+        self._machines[vm_id] = machine
+        return machine
 
     async def _start(self, machine: Machine, image: Image) -> int:
         return await self._start_processes(self._launch(machine, image))
@@ -690,14 +714,11 @@ class LocalRuntime:
         self._captures_in_use[capture_id] += 1
         template = self._template(source, image, folder)
         stream = template.run_dir / "migrate.sock"
-        # A fork's RAM is a private mapping of its own capture, which userfaultfd could
-        # not write-protect here (the snapshot hung): such a source stays stopped while
-        # its memory moves.
-        live = source.ram_capture is None
         template_monitor = None
         try:
             template_monitor = await self._open_template(
-                template, image, source.spec.disk_gib, f"unix:{stream}", map_ram_of=source if live else None
+                template, image, source.spec.disk_gib, f"unix:{stream}",
+                map_ram_of=source if source.runs_while_captured else None,
             )
             # Forks asked for until this instant share it; later ones wait for the next.
             if batch is not None:
@@ -779,7 +800,7 @@ class LocalRuntime:
         background snapshot the source runs again once its device state is taken, its RAM
         following. Returns the frozen chain, how long the vCPUs stood still, and the
         migration's last status. ``on_frozen`` gets the chain as soon as it is fixed."""
-        live = source.ram_capture is None  # see _capture: a fork stays stopped while its memory moves
+        live = source.runs_while_captured
         monitor = await self._monitor(source.id)
         # x-ignore-shared off: a fork had it on to load its own state, and all of the
         # memory must go.
@@ -844,17 +865,9 @@ class LocalRuntime:
 
     async def _start_clone(self, source: Machine, batch: _Batch, capture: Capture, new_id: str) -> VMInfo:
         image = await self._image(source.image_path)
-        clone = Machine(
-            id=new_id,
-            spec=source.spec,
-            image_path=source.image_path,
-            disk_top=f"{new_id}-{secrets.token_hex(4)}.qcow2",
-            disk_frozen=list(capture.disk_frozen),
-            ram_capture=capture.id,
-            url_port=free_port(self.ports),  # its own: forks never share a port
+        clone = self._new_machine(
+            new_id, source.spec, source.image_path, disk_frozen=list(capture.disk_frozen), ram_capture=capture.id
         )
-        self._vm_dir(new_id).mkdir(parents=True)
-        self._machines[new_id] = clone
         try:
             await create_overlay(self.layers_dir / clone.disk_top, self.layers_dir / capture.disk_frozen[-1])
             self._save(clone)
@@ -1071,9 +1084,8 @@ class LocalRuntime:
         the source stood still, and the bytes of memory sent."""
         source = self._running(vm_id, "forked")
         image = await self._image(source.image_path)
-        live = source.ram_capture is None  # as in _capture: a fork's own RAM cannot be write-protected
         async with self._capture_lock(vm_id):
-            if live:
+            if source.runs_while_captured:
                 await self._map_ram_in(source)
             frozen, pause_s, status = await self._send_instant(source, uri)
             sent = status.get("ram", {}).get("transferred", 0)
@@ -1101,37 +1113,30 @@ class LocalRuntime:
         return name
 
     def export_chunk(self, name: str, offset: int, length: int) -> bytes:
-        if not EXPORTED_LAYER.match(name):
-            raise InvalidInput(f"layer: {name!r} is not an exported layer", field="layer")
-        with open(self.exports_dir / name, "rb") as handle:
-            handle.seek(offset)
-            return handle.read(length)
+        _layer_digest(name)
+        return read_piece(self.exports_dir / name, offset, length)
 
     def drop_export(self, name: str) -> None:
         if EXPORTED_LAYER.match(name):
             (self.exports_dir / name).unlink(missing_ok=True)
 
-    async def import_layer(self, name: str, size: int, fetch: Callable[[int, int], Awaitable[bytes]],
-                           image_digest: str) -> int:
+    async def import_layer(self, name: str, size: int, fetch: PieceReader, image_digest: str) -> int:
         """Copy another host's exported layer unless this host has it; it is checked against
         its name (its SHA-256) and put over this host's image. Returns the bytes copied."""
-        if not EXPORTED_LAYER.match(name):
-            raise InvalidInput(f"layer: {name!r} is not an exported layer", field="layer")
+        digest = _layer_digest(name)
         if (self.layers_dir / name).exists():
             return 0
         image = await self._image(image_digest)
         partial = self.layers_dir / f"{name}.{secrets.token_hex(4)}.part"
         try:
-            with open(partial, "wb") as handle:
-                for offset in range(0, size, LAYER_CHUNK):
-                    handle.write(await fetch(offset, LAYER_CHUNK))
-            if (await asyncio.to_thread(sha256_file, partial))[:32] != name[len("layer-") : -len(".qcow2")]:
+            copied = await fetch_into(partial, size, fetch)
+            if (await asyncio.to_thread(sha256_file, partial))[:32] != digest:
                 raise VMError(f"layer {name}: the copy does not match its name (SHA-256)")
             await run_tool("qemu-img", "rebase", "-u", "-F", "qcow2", "-b", str(image.rootfs), str(partial))
             os.replace(partial, self.layers_dir / name)
         finally:
             partial.unlink(missing_ok=True)
-        return size
+        return copied
 
     def export_size(self, name: str) -> int:
         return (self.exports_dir / name).stat().st_size
@@ -1143,10 +1148,7 @@ class LocalRuntime:
         try:
             for new_id in new_ids:
                 self._check_new_id(new_id)
-                machine = Machine(id=new_id, spec=spec, image_path=str(image.path),
-                                  disk_top=f"{new_id}-{secrets.token_hex(4)}.qcow2", url_port=free_port(self.ports))
-                self._vm_dir(new_id).mkdir(parents=True)
-                self._machines[new_id] = machine
+                machine = self._new_machine(new_id, spec, str(image.path))
                 started.append(new_id)
                 await self._start_on_capture(machine, image, capture_id, layer)
         except BaseException:

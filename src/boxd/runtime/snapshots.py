@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -227,7 +228,26 @@ def remove_partials(root: Path) -> None:
 
 
 ChunkReader = Callable[[str, int, int], Awaitable[bytes]]
-TRANSFER_CHUNK = 8 * 1024 * 1024
+PieceReader = Callable[[int, int], Awaitable[bytes]]
+TRANSFER_CHUNK = 8 * 1024 * 1024  # pieces of a file copied between hosts
+
+
+def read_piece(path: Path, offset: int, length: int) -> bytes:
+    with open(path, "rb") as handle:
+        handle.seek(offset)
+        return handle.read(length)
+
+
+async def fetch_into(path: Path, size: int, fetch: PieceReader) -> int:
+    """Write a file of ``size`` bytes another host holds, piece by piece through
+    ``fetch(offset, length)``; returns the bytes written."""
+    written = 0
+    with open(path, "wb") as handle:
+        for offset in range(0, size, TRANSFER_CHUNK):
+            data = await fetch(offset, TRANSFER_CHUNK)
+            handle.write(data)
+            written += len(data)
+    return written
 
 
 def snapshot_digests(root: Path) -> list[str]:
@@ -239,9 +259,7 @@ def read_chunk(root: Path, digest: str, name: str, offset: int, length: int) -> 
     """A piece of one of a snapshot's files, for a host that copies it."""
     if not DIGEST.match(digest) or name not in {"manifest.json", *read_manifest(root, digest).data["files"]}:
         raise NotFound(f"snapshot {digest[:12]}: no file {name!r}", field="snapshot")
-    with open(root / digest / name, "rb") as handle:
-        handle.seek(offset)
-        return handle.read(length)
+    return read_piece(root / digest / name, offset, length)
 
 
 async def receive_snapshot(root: Path, digest: str, fetch: ChunkReader) -> int:
@@ -258,11 +276,7 @@ async def receive_snapshot(root: Path, digest: str, fetch: ChunkReader) -> int:
         (folder / "manifest.json").write_bytes(await fetch("manifest.json", 0, TRANSFER_CHUNK))
         manifest = read_manifest(partial, digest)
         for name, entry in manifest.data["files"].items():
-            with open(folder / name, "wb") as handle:
-                for offset in range(0, entry["size"], TRANSFER_CHUNK):
-                    data = await fetch(name, offset, TRANSFER_CHUNK)
-                    handle.write(data)
-                    copied += len(data)
+            copied += await fetch_into(folder / name, entry["size"], functools.partial(fetch, name))
         await asyncio.to_thread(verify_files, partial, manifest)
         for path in folder.iterdir():
             fsync_path(path)
