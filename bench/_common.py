@@ -120,20 +120,56 @@ def mib(nbytes: float) -> str:
 # -- the runtime in a throwaway home ----------------------------------------------------
 
 
-class Bench:
+class TrackedMachines:
+    """Machines a bench makes through a runtime (this host's or a cluster's): every id
+    handed to ``track`` (do it before create or fork, so a half made machine counts too)
+    is one to delete on the way out."""
+
+    runtime: Any
+
+    def __init__(self) -> None:
+        self.tracked: list[str] = []
+
+    def track(self, vm_id: str) -> str:
+        self.tracked.append(vm_id)
+        return vm_id
+
+    async def delete(self, vm_id: str) -> None:
+        assert self.runtime is not None
+        try:
+            await self.runtime.delete(vm_id)
+        except NotFound:
+            pass
+        except Exception as error:  # noqa: BLE001 -- keep going: the sweep at the end catches it
+            console.print(f"[red]could not delete {vm_id}: {error}[/red]")
+        with contextlib.suppress(ValueError):
+            self.tracked.remove(vm_id)
+
+    async def sh(self, vm_id: str, command: str, *, timeout: float = 300, check: bool = True) -> str:
+        """Run a shell command in the guest and return its stdout."""
+        assert self.runtime is not None
+        events = [e async for e in self.runtime.exec(vm_id, ExecRequest(shell=command, timeout=timeout))]
+        exit_code = events[-1].exit_code
+        out = b"".join(e.data for e in events if e.kind == "stdout").decode(errors="replace")
+        if check and exit_code != 0:
+            err = b"".join(e.data for e in events if e.kind == "stderr").decode(errors="replace")
+            raise RuntimeError(f"{vm_id}: {command!r} exited {exit_code}: {err.strip()[-300:]}")
+        return out.strip()
+
+
+class Bench(TrackedMachines):
     """A ``LocalRuntime`` in a fresh temporary BOXD_HOME.
 
-    Every machine id handed to ``track`` (do it before create or fork, so a half made
-    machine counts too) is deleted on the way out, whatever ended the run; then every
-    QEMU still running from this home's run folders is killed and the home removed.
+    Tracked machines are deleted on the way out, whatever ended the run; then every QEMU
+    still running from this home's run folders is killed and the home removed.
     """
 
     def __init__(self, image: Image, *, keep_home: bool = False) -> None:
+        super().__init__()
         self.image = image
         self.keep_home = keep_home
         self.home = Path(tempfile.mkdtemp(prefix="boxd-bench-"))
         self.runtime: LocalRuntime | None = None
-        self.tracked: list[str] = []
 
     async def __aenter__(self) -> Self:
         self.runtime = LocalRuntime(self.home)
@@ -164,21 +200,6 @@ class Bench:
         else:
             shutil.rmtree(self.home, ignore_errors=True)
 
-    def track(self, vm_id: str) -> str:
-        self.tracked.append(vm_id)
-        return vm_id
-
-    async def delete(self, vm_id: str) -> None:
-        assert self.runtime is not None
-        try:
-            await self.runtime.delete(vm_id)
-        except NotFound:
-            pass
-        except Exception as error:  # noqa: BLE001 -- keep going: the pidfile sweep in cleanup catches it
-            console.print(f"[red]could not delete {vm_id}: {error}[/red]")
-        with contextlib.suppress(ValueError):
-            self.tracked.remove(vm_id)
-
     def spec(self, memory_mib: int = 512, **fields: Any) -> VMSpec:
         return VMSpec(image=str(self.image.path), memory_mib=memory_mib, **fields)
 
@@ -192,17 +213,6 @@ class Bench:
         await self.runtime.wait_ready(vm_id, timeout)
         ready = time.monotonic()
         return {"qemu_started_s": launched - started, "ready_s": ready - started}
-
-    async def sh(self, vm_id: str, command: str, *, timeout: float = 300, check: bool = True) -> str:
-        """Run a shell command in the guest and return its stdout."""
-        assert self.runtime is not None
-        events = [e async for e in self.runtime.exec(vm_id, ExecRequest(shell=command, timeout=timeout))]
-        exit_code = events[-1].exit_code
-        out = b"".join(e.data for e in events if e.kind == "stdout").decode(errors="replace")
-        if check and exit_code != 0:
-            err = b"".join(e.data for e in events if e.kind == "stderr").decode(errors="replace")
-            raise RuntimeError(f"{vm_id}: {command!r} exited {exit_code}: {err.strip()[-300:]}")
-        return out.strip()
 
     async def argv(self, vm_id: str, argv: list[str]) -> int | None:
         assert self.runtime is not None
@@ -438,7 +448,7 @@ SUM = (
 ROTATE = "touch /tmp/rotate; for i in $(seq 600); do [ -e /tmp/rotate ] || break; sleep 0.05; done"
 
 
-async def start_filling(bench: Bench, vm_id: str, path: str, script: str, fill_mib: int) -> None:
+async def start_filling(bench: TrackedMachines, vm_id: str, path: str, script: str, fill_mib: int) -> None:
     """Run a guest script that fills ``fill_mib`` MiB of memory in the background, and
     wait until it says so (/tmp/filled); one that dies says why (its log, the OOM killer)."""
     assert bench.runtime is not None

@@ -34,6 +34,7 @@ from _common import (
     HOLDER,
     HOLDER_PATH,
     Report,
+    TrackedMachines,
     base_parser,
     bench_image,
     console,
@@ -58,37 +59,17 @@ PLACED_MIB = 256
 READY_TIMEOUT = 300
 
 
-class RayBench:
-    """The runtime-facing half of ``_common.Bench`` for a ``RayRuntime``: what it makes is deleted."""
+class RayBench(TrackedMachines):
+    """Machines on a ``RayRuntime``; the tracked ones are deleted on the way out, then
+    whatever the host folders still hold."""
 
     def __init__(self, runtime: RayRuntime, image_digest: str) -> None:
+        super().__init__()
         self.runtime = runtime
         self.image_digest = image_digest
-        self.tracked: list[str] = []
 
     def spec(self, memory_mib: int) -> VMSpec:
         return VMSpec(image=self.image_digest, memory_mib=memory_mib)
-
-    def track(self, vm_id: str) -> str:
-        self.tracked.append(vm_id)
-        return vm_id
-
-    async def delete(self, vm_id: str) -> None:
-        try:
-            await self.runtime.delete(vm_id)
-        except Exception as error:  # noqa: BLE001 -- the sweep of the host folders catches it
-            console.print(f"[red]could not delete {vm_id}: {error}[/red]")
-        if vm_id in self.tracked:
-            self.tracked.remove(vm_id)
-
-    async def sh(self, vm_id: str, command: str, *, timeout: float = 300, check: bool = True) -> str:
-        from boxd.runtime.interface import ExecRequest
-
-        events = [e async for e in self.runtime.exec(vm_id, ExecRequest(shell=command, timeout=timeout))]
-        out = b"".join(e.data for e in events if e.kind == "stdout").decode(errors="replace")
-        if check and events[-1].exit_code != 0:
-            raise RuntimeError(f"{vm_id}: {command!r} exited {events[-1].exit_code}")
-        return out.strip()
 
 
 async def sweep_hosts(root: Path) -> None:
