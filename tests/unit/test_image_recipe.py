@@ -46,7 +46,7 @@ def host_files(tmp_path, monkeypatch):
 # --- package names ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["git", "python3-numpy", "g++", "libstdc++6", "xz-utils", "r-base-core", "0ad"])
+@pytest.mark.parametrize("name", ["htop", "python3-numpy", "g++", "libstdc++6", "xz-utils", "r-base-core", "0ad"])
 def test_debian_package_names_are_accepted(name):
     assert ImageRecipe(packages=(name,)).packages == (name,)
 
@@ -67,25 +67,31 @@ def test_a_single_string_is_not_mistaken_for_its_letters():
 
 
 def test_packages_are_sorted_deduplicated_and_base_packages_dropped():
-    recipe = ImageRecipe(packages=("vim", "git", "vim", "python3", "sudo"))
-    assert recipe.packages == ("git", "vim")
-    assert recipe == ImageRecipe(packages=("git", "vim"))
+    recipe = ImageRecipe(packages=("vim", "htop", "vim", "python3", "sudo"))
+    assert recipe.packages == ("htop", "vim")
+    assert recipe == ImageRecipe(packages=("htop", "vim"))
     assert ImageRecipe(packages=("python3",)) == ImageRecipe()
+
+
+def test_the_base_has_what_e2b_templates_have():
+    # E2B's SDK tests and user code expect git, curl and a "python" command.
+    assert {"git", "curl", "python-is-python3"} <= set(image_module.BASE_PACKAGES)
+    assert ImageRecipe(packages=("git", "curl")) == ImageRecipe()
 
 
 # --- digests ---------------------------------------------------------------------------
 
 
 def test_equal_recipes_have_equal_digests(host_files):
-    assert ImageRecipe(packages=("vim", "git")).digest() == ImageRecipe(packages=("git", "vim", "git")).digest()
+    assert ImageRecipe(packages=("vim", "htop")).digest() == ImageRecipe(packages=("htop", "vim", "htop")).digest()
     assert len(ImageRecipe().digest()) == 64
 
 
 def test_packages_and_ca_trust_change_the_rootfs_digest(host_files):
     digests = {
         ImageRecipe().digest(),
-        ImageRecipe(packages=("git",)).digest(),
-        ImageRecipe(packages=("git", "vim")).digest(),
+        ImageRecipe(packages=("htop",)).digest(),
+        ImageRecipe(packages=("htop", "vim")).digest(),
         ImageRecipe(trust_host_ca=False).digest(),
     }
     assert len(digests) == 4

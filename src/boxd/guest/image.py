@@ -62,11 +62,15 @@ MANIFEST_FORMAT = 1
 
 SUITE = "bookworm"
 FALLBACK_MIRROR = "http://deb.debian.org/debian"
+# git, curl and the "python" name (python-is-python3) are in E2B's base template too.
 BASE_PACKAGES = (
     "ca-certificates",
+    "curl",
     "e2fsprogs",
+    "git",
     "iproute2",
     "procps",
+    "python-is-python3",
     "python3",
     "python3-pip",
     "python3-venv",
