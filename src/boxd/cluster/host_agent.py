@@ -162,14 +162,14 @@ class HostAgent:
     async def layer_chunk(self, name: str, offset: int, length: int) -> bytes:
         return await asyncio.to_thread(self.runtime.export_chunk, name, offset, length)
 
-    async def import_layer(self, name: str, size: int, source: Any, image_digest: str) -> int:
-        """Copy an exported disk layer from the host agent ``source`` unless this host has it
-        (after ``receive_capture``, which brought the image)."""
+    async def import_layer(self, capture_id: str, name: str, size: int, source: Any, image_digest: str) -> int:
+        """Copy an exported disk layer from the host agent ``source`` unless this host has it,
+        for the forks of ``capture_id`` (after ``receive_capture``, which brought the image)."""
 
         async def fetch(offset: int, length: int) -> bytes:
             return await source.layer_chunk.remote(name, offset, length)
 
-        return await self.runtime.import_layer(name, size, fetch, image_digest)
+        return await self.runtime.import_layer(capture_id, name, size, fetch, image_digest)
 
     # -- uploads ----------------------------------------------------------------------
 

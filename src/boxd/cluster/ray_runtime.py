@@ -335,9 +335,15 @@ class RayRuntime:
             size = await self._ask(source, source.handle.call.remote("export_size", layer))
             _, copied = await asyncio.gather(
                 self._ask(target, target.handle.call.remote("finish_capture", capture_id)),
-                self._ask(target, target.handle.import_layer.remote(layer, size, source.handle, spec.image)),
+                self._ask(target, target.handle.import_layer.remote(capture_id, layer, size, source.handle,
+                                                                    spec.image)),
             )
             infos = await self._ask(target, target.handle.call.remote("fork_from", capture_id, layer, spec, new_ids))
+        except BaseException:
+            # Nothing is started on the capture now; the target lets go of its RAM and layer.
+            with contextlib.suppress(BoxdError):
+                await self._ask(target, target.handle.call.remote("drop_capture", capture_id))
+            raise
         finally:
             with contextlib.suppress(BoxdError):
                 await self._ask(source, source.handle.call.remote("drop_export", layer))

@@ -224,6 +224,11 @@ class LocalRuntime:
         self._monitors: dict[str, Monitor] = {}
         self._images: dict[str, Image] = {}
         self._layers_lock = asyncio.Lock()
+        # Layers being made or about to be used that no machine names yet (a capture's
+        # new top layer, another host's layer waiting for its forks): kept by collection.
+        self._held_layers: collections.Counter[str] = collections.Counter()
+        # A capture in use -> the disk chain its forks go on (kept even if its source goes).
+        self._capture_layers: dict[str, list[str]] = {}
         self._capture_locks: dict[str, asyncio.Lock] = {}
         self._next_capture: dict[str, _Batch] = {}
         self._captures_in_use: collections.Counter[str] = collections.Counter()
@@ -456,7 +461,10 @@ class LocalRuntime:
             with contextlib.suppress(NotFound):
                 await self.adopt(vm_id)
         self._machine(vm_id)
-        await self._remove(vm_id)
+        # After a capture or rewind under way: it changes the files and processes removed here.
+        async with self._capture_lock(vm_id):
+            await self._remove(vm_id)
+        self._capture_locks.pop(vm_id, None)
         log.info("machine deleted id=%s", vm_id)
 
     async def _remove(self, vm_id: str) -> None:
@@ -479,11 +487,19 @@ class LocalRuntime:
     async def collect_garbage(self) -> None:
         """Remove disk layers and captures that no machine uses any more."""
         async with self._layers_lock:
-            layers: set[str] = set()
+            # What is kept is read with no await in between, and every file is named here
+            # (by a machine known in memory, a record, or a hold) before it is made: so a
+            # machine being made never loses a layer to a delete that runs meanwhile.
             captures: set[str] = set(self._captures_in_use)
-            for record in self.vms_dir.glob("*/machine.json"):
-                with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
-                    data = json.loads(record.read_text())
+            layers: set[str] = set(self._held_layers)
+            for capture_id in captures:
+                layers.update(self._capture_layers.get(capture_id, ()))
+            records = [machine.to_dict() for machine in self._machines.values()]
+            for record in self.vms_dir.glob("*/machine.json"):  # machines not adopted yet
+                with contextlib.suppress(FileNotFoundError, ValueError):
+                    records.append(json.loads(record.read_text()))
+            for data in records:
+                with contextlib.suppress(KeyError, TypeError):
                     layers.add(data["disk_top"])
                     layers.update(data.get("disk_frozen", []))
                     captures.add(data.get("ram_capture") or "")
@@ -612,6 +628,19 @@ class LocalRuntime:
         self._captures_in_use[capture_id] -= 1
         if self._captures_in_use[capture_id] <= 0:
             del self._captures_in_use[capture_id]
+            self._capture_layers.pop(capture_id, None)
+
+    @contextlib.contextmanager
+    def _holding_layers(self, *names: str):
+        """Garbage collection keeps these layers meanwhile (made before a record names them)."""
+        self._held_layers.update(names)
+        try:
+            yield
+        finally:
+            self._held_layers.subtract(names)
+            for name in names:
+                if self._held_layers[name] <= 0:
+                    del self._held_layers[name]
 
     def _in_background(self, coroutine) -> None:
         task = asyncio.create_task(coroutine)
@@ -716,29 +745,33 @@ class LocalRuntime:
         stream = template.run_dir / "migrate.sock"
         template_monitor = None
         try:
-            template_monitor = await self._open_template(
-                template, image, source.spec.disk_gib, f"unix:{stream}",
-                map_ram_of=source if source.runs_while_captured else None,
-            )
-            # Forks asked for until this instant share it; later ones wait for the next.
-            if batch is not None:
-                if self._next_capture.get(source.id) is batch:
-                    del self._next_capture[source.id]
-                self._captures_in_use[capture_id] += batch.forks
+            try:
+                template_monitor = await self._open_template(
+                    template, image, source.spec.disk_gib, f"unix:{stream}",
+                    map_ram_of=source if source.runs_while_captured else None,
+                )
+                # Forks asked for until this instant share it; later ones wait for the next.
+                if batch is not None:
+                    if self._next_capture.get(source.id) is batch:
+                        del self._next_capture[source.id]
+                    self._captures_in_use[capture_id] += batch.forks
 
-            def frozen(chain: list[str]) -> None:
-                if batch is not None:  # its forks may start their QEMUs now
-                    batch.frozen.set_result(Capture(id=capture_id, folder=folder, disk_frozen=chain))
+                def frozen(chain: list[str]) -> None:
+                    self._capture_layers[capture_id] = chain
+                    if batch is not None:  # its forks may start their QEMUs now
+                        batch.frozen.set_result(Capture(id=capture_id, folder=folder, disk_frozen=chain))
 
-            chain, pause_s, _ = await self._send_instant(source, f"unix:{stream}", frozen)
-            capture = Capture(id=capture_id, folder=folder, disk_frozen=chain)
-            await self._keep_template_state(template_monitor, folder)
+                chain, pause_s, _ = await self._send_instant(source, f"unix:{stream}", frozen)
+                capture = Capture(id=capture_id, folder=folder, disk_frozen=chain)
+                await self._keep_template_state(template_monitor, folder)
+            finally:
+                # First, while its pidfile is still there to say which process it is.
+                await self._end_template(template_monitor, folder)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             self._captures_in_use.pop(capture_id, None)  # its forks fail with this error
+            self._capture_layers.pop(capture_id, None)
             raise
-        finally:
-            await self._end_template(template_monitor, folder)
         self._release(capture_id)
         log.info("capture taken source=%s capture=%s pause_ms=%.1f", source.id, capture_id, pause_s * 1000)
         return dataclasses.replace(capture, pause_s=pause_s)
@@ -849,18 +882,19 @@ class LocalRuntime:
         """Make the source's top layer read-only and give it a new one; returns the frozen chain."""
         token = secrets.token_hex(4)
         new_top, new_node = f"{source.id}-{token}.qcow2", f"top-{token}"
-        await monitor.execute(
-            "blockdev-snapshot-sync",
-            {
-                "node-name": source.top_node,
-                "snapshot-file": str(self.layers_dir / new_top),
-                "snapshot-node-name": new_node,
-                "format": "qcow2",
-            },
-        )
-        source.disk_frozen.append(source.disk_top)
-        source.disk_top, source.top_node = new_top, new_node
-        self._save(source)
+        with self._holding_layers(new_top):  # QEMU makes the file before the record names it
+            await monitor.execute(
+                "blockdev-snapshot-sync",
+                {
+                    "node-name": source.top_node,
+                    "snapshot-file": str(self.layers_dir / new_top),
+                    "snapshot-node-name": new_node,
+                    "format": "qcow2",
+                },
+            )
+            source.disk_frozen.append(source.disk_top)
+            source.disk_top, source.top_node = new_top, new_node
+            self._save(source)
         return list(source.disk_frozen)
 
     async def _start_clone(self, source: Machine, batch: _Batch, capture: Capture, new_id: str) -> VMInfo:
@@ -999,6 +1033,7 @@ class LocalRuntime:
         capture = self.captures_dir / capture_id
         layer = f"{capture_id}.qcow2"
         self._captures_in_use[capture_id] += 1
+        self._capture_layers[capture_id] = [layer]
         try:
             async with self._layers_lock:
                 if not (capture / "ready").exists():
@@ -1074,6 +1109,7 @@ class LocalRuntime:
         """Give up a capture being received (its sender failed)."""
         self._receiving.pop(capture_id, None)
         self._captures_in_use.pop(capture_id, None)
+        self._capture_layers.pop(capture_id, None)
         folder = self.captures_dir / capture_id
         await stop_processes(folder / "template")
         shutil.rmtree(folder, ignore_errors=True)
@@ -1120,10 +1156,14 @@ class LocalRuntime:
         if EXPORTED_LAYER.match(name):
             (self.exports_dir / name).unlink(missing_ok=True)
 
-    async def import_layer(self, name: str, size: int, fetch: PieceReader, image_digest: str) -> int:
+    async def import_layer(self, capture_id: str, name: str, size: int, fetch: PieceReader, image_digest: str) -> int:
         """Copy another host's exported layer unless this host has it; it is checked against
-        its name (its SHA-256) and put over this host's image. Returns the bytes copied."""
+        its name (its SHA-256) and put over this host's image, and kept for the forks of
+        ``capture_id`` (a capture being received). Returns the bytes copied."""
         digest = _layer_digest(name)
+        if capture_id not in self._captures_in_use:
+            raise NotFound(f"capture {capture_id}: not being received here", field="capture")
+        self._capture_layers[capture_id] = [name]
         if (self.layers_dir / name).exists():
             return 0
         image = await self._image(image_digest)
@@ -1172,27 +1212,25 @@ class LocalRuntime:
     def _hibernation_file(self, vm_id: str) -> Path:
         return self._vm_dir(vm_id) / "hibernation.zst"
 
-    async def hibernate(self, vm_id: str) -> None:
+    async def hibernate(self, vm_id: str, *, keep_memory: bool = True) -> None:
         """Save RAM and device state (compressed) to the machine's folder, then end its QEMU.
 
         A fork or a restored machine lets go of its capture here: it wakes up owning
-        its RAM, like any machine.
+        its RAM, like any machine. Without ``keep_memory`` only the disk is kept (the
+        guest's writes synced first): waking boots the machine from it.
         """
         machine = self._running(vm_id, "hibernated")
         async with self._capture_lock(vm_id):
+            if not keep_memory:
+                with contextlib.suppress(BoxdError):  # a guest that cannot sync still gets its disk flushed
+                    async for _ in self.exec(vm_id, ExecRequest(argv=["sync"], user="root", timeout=60)):
+                        pass
             monitor = await self._monitor(vm_id)
-            await monitor.execute("stop")
+            await monitor.execute("stop")  # QEMU flushes the disk layers as it stops
             try:
-                # All of the RAM goes to the file, whether it is the machine's or a capture's.
-                await set_capabilities(monitor, x_ignore_shared=False, background_snapshot=False)
-                await monitor.execute("migrate-set-parameters", {"max-bandwidth": UNLIMITED_BANDWIDTH})
-                saving = self._hibernation_file(vm_id)
-                await monitor.execute("migrate", {"uri": f"exec:{zstd_binary()} -q -1 -T0 -o {saving}.part"})
-                await wait_migration(monitor, {"completed"}, timeout=600)
-                await asyncio.to_thread(fsync_path, Path(f"{saving}.part"))
-                os.replace(f"{saving}.part", saving)
+                if keep_memory:
+                    await self._save_memory(monitor, vm_id)
             except BaseException:
-                Path(f"{self._hibernation_file(vm_id)}.part").unlink(missing_ok=True)
                 await resume(monitor)
                 raise
             machine.hibernated, machine.suspended, machine.ram_capture = True, False, None
@@ -1203,7 +1241,22 @@ class LocalRuntime:
             shutil.rmtree(self._run_dir(vm_id), ignore_errors=True)  # the RAM file with it
             machine.pid = None
         await self.collect_garbage()
-        log.info("machine hibernated id=%s", vm_id)
+        log.info("machine hibernated id=%s memory_kept=%s", vm_id, keep_memory)
+
+    async def _save_memory(self, monitor: Monitor, vm_id: str) -> None:
+        """RAM and device state of a stopped machine into its hibernation file."""
+        saving = self._hibernation_file(vm_id)
+        try:
+            # All of the RAM goes to the file, whether it is the machine's or a capture's.
+            await set_capabilities(monitor, x_ignore_shared=False, background_snapshot=False)
+            await monitor.execute("migrate-set-parameters", {"max-bandwidth": UNLIMITED_BANDWIDTH})
+            await monitor.execute("migrate", {"uri": f"exec:{zstd_binary()} -q -1 -T0 -o {saving}.part"})
+            await wait_migration(monitor, {"completed"}, timeout=600)
+            await asyncio.to_thread(fsync_path, Path(f"{saving}.part"))
+            os.replace(f"{saving}.part", saving)
+        except BaseException:
+            Path(f"{saving}.part").unlink(missing_ok=True)
+            raise
 
     async def resume(self, vm_id: str) -> None:
         machine = self._machine(vm_id)
@@ -1218,16 +1271,20 @@ class LocalRuntime:
             self._in_background(self._agent(vm_id).set_time())
 
     async def _wake(self, machine: Machine) -> None:
+        """Back from its hibernation file, or, hibernated without its memory, booted from its disk."""
         image = await self._image(machine.image_path)
         saved = self._hibernation_file(machine.id)
+        memory_kept = saved.exists()
         async with self._capture_lock(machine.id):
             self._check_room(machine.spec)
-            machine.pid = await self._start_processes(self._launch(machine, image, incoming=True))
-            monitor = await self._monitor(machine.id)
-            await monitor.execute("migrate-incoming", {"uri": f"exec:{zstd_binary()} -q -d -c {saved}"})
-            await wait_incoming(monitor, timeout=600)
-            await monitor.execute("cont")
+            machine.top_node = "root"  # a new QEMU names its top layer afresh
+            machine.pid = await self._start_processes(self._launch(machine, image, incoming=memory_kept))
+            if memory_kept:
+                monitor = await self._monitor(machine.id)
+                await monitor.execute("migrate-incoming", {"uri": f"exec:{zstd_binary()} -q -d -c {saved}"})
+                await wait_incoming(monitor, timeout=600)
+                await monitor.execute("cont")
             machine.hibernated = False
             self._save(machine)
-            saved.unlink()
-        log.info("machine woke id=%s pid=%s", machine.id, machine.pid)
+            saved.unlink(missing_ok=True)
+        log.info("machine woke id=%s pid=%s memory_kept=%s", machine.id, machine.pid, memory_kept)
