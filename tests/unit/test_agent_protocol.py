@@ -198,6 +198,24 @@ def test_file_errors_name_the_field(agent_socket, tmp_path):
         run(scenario("make_dir", path=str(tmp_path / "a-file")))
 
 
+def test_remove_takes_files_and_trees_and_a_missing_path_is_removed_already(agent_socket, tmp_path):
+    tree, single = tmp_path / "tree", tmp_path / "single"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "sub" / "file").write_text("x")
+    single.write_text("x")
+
+    async def scenario():
+        client = AgentClient(agent_socket.path, name="t")
+        await client.connect(5)
+        # As E2B's envd (os.RemoveAll): removing what is not there succeeds.
+        for path in (tree, single, tmp_path / "never-was", tree):
+            await client.call("remove", path=str(path))
+        await client.close()
+
+    run(scenario())
+    assert not tree.exists() and not single.exists()
+
+
 def test_a_repeated_request_id_never_runs_twice(agent_socket, tmp_path):
     counter = tmp_path / "runs"
     request = {"id": "fixed-1", "op": "exec", "shell": f"echo run >> {counter}", "env": {}}

@@ -867,11 +867,15 @@ class Agent:
         return {"created": not existed}
 
     def op_remove(self, request: dict) -> dict:
+        """rm -rf, as E2B's envd (os.RemoveAll): a path that is not there is removed already."""
         path = _absolute(request.get("path"))
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
-        else:
-            os.unlink(path)
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        except FileNotFoundError:  # missing, or removed meanwhile
+            pass
         return {}
 
     def op_move(self, request: dict) -> dict:
