@@ -16,6 +16,7 @@ from fakes import ControlPlane
 from boxd.daemon.e2b import envd_wire as wire
 from boxd.daemon.e2b.connect import END_STREAM, ConnectError, envelope, parse_message
 from boxd.daemon.e2b.service import parse_metadata_filter
+from boxd.runtime.agent_client import ExecEvent
 
 pytestmark = pytest.mark.anyio
 
@@ -208,6 +209,25 @@ async def test_a_command_streams_start_output_and_end_as_connect_envelopes(plane
     assert output == b"hello\n"
     assert events[-1]["end"] == {"exitCode": 4, "exited": True, "status": "exit status 4", "error": "exit status 4"}
     assert messages[-1] == (END_STREAM, {})
+
+
+async def test_a_relative_cwd_is_resolved_against_the_users_home(plane, e2b, monkeypatch):
+    sandbox = await new_sandbox(e2b)
+    cwds = []
+
+    async def exec(vm_id, request):
+        cwds.append(request.cwd)
+        yield ExecEvent("started", pid=1)
+        yield ExecEvent("exit", exit_code=0)
+
+    monkeypatch.setattr(plane.runtime, "exec", exec)
+    as_root = {"authorization": "Basic " + base64.b64encode(b"root:").decode()}
+    for cwd, user in (("proj/x", {}), ("~/proj", {}), ("proj", as_root), ("/srv", {}), ("", {})):
+        started = await e2b.post(f"{E2B}/process.Process/Start",
+                                 content=envelope({"process": {"cmd": "true", "cwd": cwd}, "stdin": False}),
+                                 headers={**envd_headers(sandbox), **user, "content-type": "application/connect+json"})
+        assert started.status_code == 200
+    assert cwds == ["/home/user/proj/x", "/home/user/proj", "/root/proj", "/srv", None]
 
 
 async def test_envd_calls_need_the_sandboxs_own_token_and_find_it_by_token_alone(plane, e2b):

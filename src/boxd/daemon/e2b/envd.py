@@ -175,11 +175,13 @@ async def process_start(request: Request) -> Response:
     target = await _target(request)
     message: wire.StartRequest = await _single_message(request, wire.StartRequest)
     pty = message.pty.size if message.pty is not None else None
+    user = user_of(request)
+    cwd = message.process.cwd
     run = ExecRequest(
         argv=[message.process.cmd, *message.process.args],
         env={**target.env, **message.process.envs},
-        cwd=message.process.cwd or None,
-        user=user_of(request),
+        cwd=_absolute(cwd, user) if cwd else None,  # none: the user's home
+        user=user,
         keep_stdin=True if message.stdin is None else message.stdin,
         tag=message.tag or None,
         pty=None if pty is None else pty.window(),
