@@ -840,7 +840,17 @@ class Agent:
 
     # An entry travels under a key of its own: its "type" would clash with the message's.
     def op_stat(self, request: dict) -> dict:
-        return {"entry": _entry(_absolute(request.get("path")))}
+        """An entry; with ``set_metadata`` its user metadata is replaced by that map first,
+        and with ``filesystem`` the answer also tells the size of the filesystem it is on."""
+        path = _absolute(request.get("path"))
+        if request.get("set_metadata") is not None:
+            _replace_metadata(path, request["set_metadata"])
+        answer = {"entry": _entry(path)}
+        if request.get("filesystem"):
+            usage = os.statvfs(path)
+            answer["filesystem"] = {"total": usage.f_blocks * usage.f_frsize,
+                                    "available": usage.f_bavail * usage.f_frsize}
+        return answer
 
     def op_list_dir(self, request: dict) -> dict:
         path = _absolute(request.get("path"))
@@ -927,16 +937,20 @@ def _make_parents(folder: str, account: pwd.struct_passwd) -> None:
         os.chown(path, account.pw_uid, account.pw_gid)
 
 
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "dir"
+    if stat.S_ISLNK(mode):
+        return "symlink"
+    return "file" if stat.S_ISREG(mode) else "other"
+
+
 def _entry(path: str) -> dict:
+    """What the host is told of a path (not followed if a link): its stat, its owner by name,
+    its user metadata, and for a link where it leads (fully resolved, or the link itself if
+    it leads nowhere) and what is there."""
     info = os.lstat(path)
-    if stat.S_ISDIR(info.st_mode):
-        kind = "dir"
-    elif stat.S_ISLNK(info.st_mode):
-        kind = "symlink"
-    elif stat.S_ISREG(info.st_mode):
-        kind = "file"
-    else:
-        kind = "other"
+    kind = _kind(info.st_mode)
     try:
         owner = pwd.getpwuid(info.st_uid).pw_name
     except KeyError:
@@ -951,13 +965,61 @@ def _entry(path: str) -> dict:
         "type": kind,
         "size": info.st_size,
         "mode": stat.S_IMODE(info.st_mode),
+        "st_mode": info.st_mode,
         "mtime": info.st_mtime,
+        "mtime_ns": info.st_mtime_ns,
         "owner": owner,
         "group": group,
+        "metadata": _metadata(path),
     }
     if kind == "symlink":
         entry["target"] = os.readlink(path)
+        try:
+            entry["resolved"] = os.path.realpath(path, strict=True)
+            pointed = os.stat(path)
+            entry["pointed"] = {"type": _kind(pointed.st_mode), "mode": stat.S_IMODE(pointed.st_mode)}
+        except OSError:  # dangling, or a loop
+            entry["resolved"] = path
     return entry
+
+
+# User metadata lives in extended attributes under this prefix (as E2B's envd keeps it).
+METADATA_XATTR_PREFIX = "user.e2b."
+
+
+def _metadata(path: str) -> dict:
+    """The user metadata of a path (followed if a link); none where the filesystem keeps no
+    extended attributes or the path leads nowhere. Values that are not UTF-8 are left out."""
+    found = {}
+    try:
+        names = os.listxattr(path)
+    except OSError:
+        return found
+    for name in names:
+        if not name.startswith(METADATA_XATTR_PREFIX):
+            continue
+        try:
+            found[name[len(METADATA_XATTR_PREFIX):]] = os.getxattr(path, name).decode()
+        except (OSError, UnicodeDecodeError):  # removed meanwhile, or not text
+            continue
+    return found
+
+
+def _replace_metadata(path: str, metadata) -> None:
+    """Make ``metadata`` (str -> str) the path's whole user metadata. A filesystem without
+    extended attributes keeps none, and that is no error (the entry then shows none)."""
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and k and isinstance(v, str)
+                                                 for k, v in metadata.items()):
+        raise AgentFault("invalid_input", "set_metadata: must map non-empty names to text", "set_metadata")
+    try:
+        for name in os.listxattr(path):
+            if name.startswith(METADATA_XATTR_PREFIX) and name[len(METADATA_XATTR_PREFIX):] not in metadata:
+                os.removexattr(path, name)
+        for key, value in metadata.items():
+            os.setxattr(path, METADATA_XATTR_PREFIX + key, value.encode())
+    except OSError as error:
+        if error.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
 
 
 def main() -> None:

@@ -320,14 +320,8 @@ def _absolute(path: str, user: str) -> str:
     return posixpath.normpath(posixpath.join(home, path))
 
 
-async def _entry(target: Target, path: str) -> wire.EntryInfo:
-    entry = (await _fs(target, "stat", path=path))["entry"]
-    pointed = None
-    if entry["type"] == "symlink":
-        with contextlib.suppress(NotFound, InvalidInput):  # a dangling link is described as itself
-            link = entry["target"]
-            pointed = (await _fs(target, "stat", path=posixpath.join(posixpath.dirname(path), link)))["entry"]
-    return wire.EntryInfo.of(entry, pointed)
+async def _entry(target: Target, path: str, **stat_fields: Any) -> wire.EntryInfo:
+    return wire.EntryInfo.of((await _fs(target, "stat", path=path, **stat_fields))["entry"])
 
 
 async def _fs(target: Target, op: str, **fields: Any) -> dict[str, Any]:
@@ -401,8 +395,22 @@ async def health(request: Request) -> Response:
     return Response(status_code=204)
 
 
-def _write_info(path: str) -> dict[str, str]:
-    return {"name": posixpath.basename(path), "type": "file", "path": path}
+async def _written(target: Target, path: str, metadata: dict[str, str]) -> dict[str, Any]:
+    """What an upload answers of a file it wrote, after giving it its metadata. A file
+    written without metadata has none: each upload makes a new file (the agent's write)."""
+    info: dict[str, Any] = {"name": posixpath.basename(path), "type": "file", "path": path}
+    if metadata:
+        kept = (await _entry(target, path, set_metadata=metadata)).metadata
+        if kept:  # none where the guest's filesystem keeps no extended attributes
+            info["metadata"] = kept
+    return info
+
+
+def _metadata_of(request: Request) -> dict[str, str]:
+    try:
+        return wire.upload_metadata(request.headers.items())
+    except ValueError as error:
+        raise InvalidInput(f"invalid metadata: {error}", field="metadata") from None
 
 
 async def _octets(request: Request) -> AsyncIterator[bytes]:
@@ -431,6 +439,7 @@ async def upload_files(request: Request, path: str | None = None) -> Response:
     multipart form of ``file`` parts each named by its path."""
     target, user = await _target(request), user_of(request)
     machines = target.machines
+    metadata = _metadata_of(request)  # refused before anything is written
     if request.headers.get("content-type", "").startswith("multipart/form-data"):
         form = await request.form(max_files=10_000)
         uploads = [part for part in form.getlist("file") if isinstance(part, UploadFile)]
@@ -444,13 +453,13 @@ async def upload_files(request: Request, path: str | None = None) -> Response:
             destination = _absolute(where, user)
             await machines.write_file(target.account, target.machine, destination, _spooled(upload),
                                       mode=None, user=user)
-            written.append(_write_info(destination))
+            written.append(await _written(target, destination, metadata))
         return JSONResponse(written)
     if not path:
         raise InvalidInput("path: the query parameter naming the file is missing", field="path")
     destination = _absolute(path, user)
     await machines.write_file(target.account, target.machine, destination, _octets(request), mode=None, user=user)
-    return JSONResponse([_write_info(destination)])
+    return JSONResponse([await _written(target, destination, metadata)])
 
 
 @router.get("/files")
@@ -477,11 +486,28 @@ async def download_file(request: Request, path: str) -> Response:
 
 _EVENT_TYPES = {"create": wire.EventType.CREATE, "write": wire.EventType.WRITE, "remove": wire.EventType.REMOVE,
                 "rename": wire.EventType.RENAME, "chmod": wire.EventType.CHMOD}
+_EVENTS_WITH_ENTRY = frozenset({wire.EventType.CREATE, wire.EventType.WRITE, wire.EventType.CHMOD})
 
 
-async def _changes(target: Target, path: str, recursive: bool) -> AsyncIterator[wire.FilesystemEvent]:
-    async for name, kind in target.machines.watch_dir(target.account, target.machine, path, recursive=recursive):
-        yield wire.FilesystemEvent(name=name, type=_EVENT_TYPES[kind])
+async def _watch(target: Target, path: str, recursive: bool, include_entry: bool) -> AsyncIterator[wire.FilesystemEvent]:
+    """A folder's changes from the moment the guest watches it. A folder it cannot watch
+    (missing, or a file) raises here, so that the error is the answer and no start is sent."""
+    watching = target.machines.watch_dir(target.account, target.machine, path, recursive=recursive)
+    await anext(watching)  # WATCH_STARTED
+    return _changes(target, path, watching, include_entry)
+
+
+async def _changes(
+    target: Target, path: str, watching: AsyncIterator[tuple[str, str]], include_entry: bool
+) -> AsyncIterator[wire.FilesystemEvent]:
+    async for name, kind in watching:
+        event = wire.FilesystemEvent(name=name, type=_EVENT_TYPES[kind])
+        # As envd: only what still names the entry carries it (a remove or rename leaves
+        # the path empty, or to something else), and only if it can be described.
+        if include_entry and event.type in _EVENTS_WITH_ENTRY:
+            with contextlib.suppress(BoxdError):
+                event.entry = await _entry(target, posixpath.join(path, name))
+        yield event
 
 
 class Watchers:
@@ -493,22 +519,16 @@ class Watchers:
         self._tasks: dict[str, asyncio.Task] = {}
         self._owners: dict[str, str] = {}
 
-    async def create(self, target: Target, path: str, recursive: bool) -> str:
-        changes = _changes(target, path, recursive)
-        first = asyncio.ensure_future(anext(changes))
-        # The watch is in place once the guest said so; a missing folder fails here.
-        await asyncio.wait({first}, timeout=0.5)
-        if first.done() and first.exception() is not None:
-            raise first.exception()
+    async def create(self, target: Target, path: str, recursive: bool, include_entry: bool) -> str:
+        changes = await _watch(target, path, recursive, include_entry)
         watcher_id = secrets.token_hex(8)
         self._events[watcher_id] = []
         self._owners[watcher_id] = target.machine
-        self._tasks[watcher_id] = asyncio.create_task(self._collect(watcher_id, first, changes))
+        self._tasks[watcher_id] = asyncio.create_task(self._collect(watcher_id, changes))
         return watcher_id
 
-    async def _collect(self, watcher_id: str, first: asyncio.Future, changes: AsyncIterator[wire.FilesystemEvent]) -> None:
-        with contextlib.suppress(StopAsyncIteration, BoxdError):
-            self._events[watcher_id].append(await first)
+    async def _collect(self, watcher_id: str, changes: AsyncIterator[wire.FilesystemEvent]) -> None:
+        with contextlib.suppress(BoxdError):
             async for change in changes:
                 self._events[watcher_id].append(change)
 
@@ -545,7 +565,7 @@ async def fs_watch_dir(request: Request) -> Response:
     target = await _target(request)
     message: wire.WatchDirRequest = await _single_message(request, wire.WatchDirRequest)
     path = _absolute(message.path, user_of(request))
-    changes = _changes(target, path, message.recursive)
+    changes = await _watch(target, path, message.recursive, message.include_entry)
     timeout = _timeout_of(request)
 
     async def events() -> AsyncIterator[wire.WatchDirResponse]:
@@ -564,7 +584,8 @@ async def fs_create_watcher(request: Request) -> Response:
     async def handle(message: wire.WatchDirRequest) -> wire.CreateWatcherResponse:
         target = await _target(request)
         path = _absolute(message.path, user_of(request))
-        return wire.CreateWatcherResponse(watcher_id=await _watchers(request).create(target, path, message.recursive))
+        watcher_id = await _watchers(request).create(target, path, message.recursive, message.include_entry)
+        return wire.CreateWatcherResponse(watcher_id=watcher_id)
 
     return await unary(request, wire.WatchDirRequest, handle)
 

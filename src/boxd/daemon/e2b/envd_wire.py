@@ -10,6 +10,8 @@ from __future__ import annotations
 import base64
 import binascii
 import enum
+import stat
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -192,6 +194,9 @@ class ProcessEventMessage(_Message):
 
 
 class FileType(str, enum.Enum):
+    """Never SYMLINK: envd describes a link by what it leads to (unspecified, hence left
+    out, if that is nothing or neither a file nor a directory)."""
+
     FILE = "FILE_TYPE_FILE"
     DIRECTORY = "FILE_TYPE_DIRECTORY"
 
@@ -221,9 +226,13 @@ class MoveRequest(_Message):
 
 
 class WatchDirRequest(_Message):
+    """WatchDirRequest and CreateWatcherRequest. boxd's guests mount no network filesystems,
+    so ``allow_network_mounts`` changes nothing."""
+
     path: str = Field(min_length=1)
     recursive: bool = False
     include_entry: bool = False
+    allow_network_mounts: bool = False
 
 
 class WatcherRequest(_Message):
@@ -234,7 +243,7 @@ class WatcherRequest(_Message):
 
 class EntryInfo(_Message):
     name: str
-    type: FileType
+    type: FileType | None = None
     path: str
     size: int
     mode: int
@@ -243,35 +252,103 @@ class EntryInfo(_Message):
     group: str
     modified_time: str
     symlink_target: str | None = None
-    is_symlink: bool = False
+    metadata: dict[str, str] | None = None
 
     @classmethod
-    def of(cls, entry: dict[str, Any], target: dict[str, Any] | None = None) -> "EntryInfo":
-        """From the agent's entry; a symlink is described by what it points to (``target``),
-        as envd does, since the oldest SDKs know no symlink file type."""
-        pointed = target or entry
-        mode = int(entry["mode"])
-        is_dir = pointed["type"] == "dir"
+    def of(cls, entry: dict[str, Any]) -> "EntryInfo":
+        """From the agent's entry, as envd tells it: a link's type and permission bits are
+        those of what it leads to (``pointed``), its target the fully resolved path; the
+        size, permission string and time are the link's own."""
+        st_mode = entry.get("st_mode", _st_mode_of(entry))
+        if entry["type"] == "symlink":
+            pointed = entry.get("pointed") or {}
+            kind, mode = pointed.get("type"), int(pointed.get("mode", 0))
+        else:
+            kind, mode = entry["type"], int(entry["mode"])
         return cls(
             name=entry["name"],
-            type=FileType.DIRECTORY if is_dir else FileType.FILE,
+            type=_FILE_TYPES.get(kind),
             path=entry["path"],
-            size=int(pointed["size"]),
-            mode=mode,
-            permissions=_permissions(mode, is_dir),
+            size=int(entry["size"]),
+            mode=mode & 0o777,
+            permissions=go_mode_string(st_mode),
             owner=entry["owner"],
             group=entry["group"],
-            modified_time=datetime.fromtimestamp(entry["mtime"], tz=UTC).isoformat().replace("+00:00", "Z"),
-            symlink_target=entry.get("target"),
-            is_symlink=entry["type"] == "symlink",
+            modified_time=timestamp(entry.get("mtime_ns", round(entry["mtime"] * 1e9))),
+            symlink_target=entry.get("resolved", entry.get("target")) if entry["type"] == "symlink" else None,
+            metadata=entry.get("metadata") or None,
         )
 
 
-def _permissions(mode: int, is_dir: bool) -> str:
-    bits = "".join(
-        letter if mode & (1 << (8 - index)) else "-" for index, letter in enumerate("rwxrwxrwx")
+_FILE_TYPES = {"file": FileType.FILE, "dir": FileType.DIRECTORY}
+_FORMAT_BITS = {"file": stat.S_IFREG, "dir": stat.S_IFDIR, "symlink": stat.S_IFLNK}
+
+
+def _st_mode_of(entry: dict[str, Any]) -> int:
+    """An older agent's entry has no ``st_mode``: its type and permission bits make one."""
+    return _FORMAT_BITS.get(entry["type"], 0) | int(entry["mode"])
+
+
+# Go's os.FileMode.String(), which envd's permissions are: a letter for each of these that
+# is set (none: "-"), then rwx three times.
+_GO_MODE_LETTERS = (
+    ("d", lambda m: stat.S_ISDIR(m)), ("L", lambda m: stat.S_ISLNK(m)),
+    ("D", lambda m: stat.S_ISBLK(m) or stat.S_ISCHR(m)), ("p", lambda m: stat.S_ISFIFO(m)),
+    ("S", lambda m: stat.S_ISSOCK(m)), ("u", lambda m: bool(m & stat.S_ISUID)),
+    ("g", lambda m: bool(m & stat.S_ISGID)), ("c", lambda m: stat.S_ISCHR(m)),
+    ("t", lambda m: bool(m & stat.S_ISVTX)),
+)
+
+
+def go_mode_string(st_mode: int) -> str:
+    letters = "".join(letter for letter, is_set in _GO_MODE_LETTERS if is_set(st_mode)) or "-"
+    return letters + "".join(
+        letter if st_mode & (1 << (8 - index)) else "-" for index, letter in enumerate("rwxrwxrwx")
     )
-    return ("d" if is_dir else "-") + bits
+
+
+def timestamp(nanoseconds: int) -> str:
+    """A google.protobuf.Timestamp in proto3 JSON: RFC 3339 in UTC, with 0, 3, 6 or 9
+    fractional digits, as few as hold it."""
+    seconds, nanos = divmod(nanoseconds, 1_000_000_000)
+    text = datetime.fromtimestamp(seconds, tz=UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    if nanos:
+        digits = 3 if nanos % 1_000_000 == 0 else 6 if nanos % 1000 == 0 else 9
+        text += "." + f"{nanos:09d}"[:digits]
+    return text + "Z"
+
+
+# -- /files ------------------------------------------------------------------------------
+
+# An upload's ``X-Metadata-<key>: <value>`` headers become the files' user metadata (extended
+# attributes ``user.e2b.<key>``), with envd's limits: a key fits the 255-byte xattr name
+# with its prefix, and all of it (prefix counted per key) fits one 4 KiB filesystem block.
+METADATA_HEADER_PREFIX = "x-metadata-"
+METADATA_XATTR_PREFIX = "user.e2b."  # as the guest agent stores it
+MAX_METADATA_KEY_BYTES = 255 - len(METADATA_XATTR_PREFIX)
+MAX_METADATA_BYTES = 4096
+
+
+def upload_metadata(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """The metadata an upload's headers carry: keys lower-cased, the first of repeated
+    headers kept. Raises ValueError, naming the fault, if envd would refuse it."""
+    metadata: dict[str, str] = {}
+    for name, value in headers:
+        if name.lower().startswith(METADATA_HEADER_PREFIX):
+            metadata.setdefault(name[len(METADATA_HEADER_PREFIX):].lower(), value)
+    total = 0
+    for key, value in metadata.items():
+        if not key:
+            raise ValueError("metadata key must not be empty")
+        if len(key) > MAX_METADATA_KEY_BYTES:
+            raise ValueError(f"metadata key {key!r} exceeds {MAX_METADATA_KEY_BYTES} bytes")
+        for label, text in (("key", key), (f"value for key {key!r}", value)):
+            if not all(" " <= char <= "~" for char in text):
+                raise ValueError(f"metadata {label} holds a character that is not printable ASCII")
+        total += len(METADATA_XATTR_PREFIX) + len(key) + len(value)
+    if total > MAX_METADATA_BYTES:
+        raise ValueError(f"total metadata size {total} exceeds {MAX_METADATA_BYTES} bytes")
+    return metadata
 
 
 class EntryMessage(_Message):
@@ -287,6 +364,7 @@ class ListDirResponse(_Message):
 class FilesystemEvent(_Message):
     name: str
     type: EventType
+    entry: EntryInfo | None = None  # when asked for, and the event's path still holds something
 
 
 class WatchDirResponse(_Message):
