@@ -9,6 +9,7 @@ import base64
 import json
 import struct
 import urllib.parse
+from datetime import UTC, datetime
 
 import pytest
 from fakes import ControlPlane
@@ -78,6 +79,15 @@ def test_bytes_are_base64_in_any_of_its_spellings_and_bad_input_names_its_field(
     with pytest.raises(ConnectError) as missing:
         parse_message(wire.StartRequest, b'{"process": {}}')
     assert "process.cmd" in missing.value.message
+
+
+def test_an_entry_reads_as_envd_describes_it():
+    entry = {"name": "a", "path": "/h/a", "type": "symlink", "size": 4, "mode": 0o777, "mtime": 0.5,
+             "owner": "user", "group": "user", "target": "d"}
+    pointed = {**entry, "type": "dir", "size": 4096}
+    info = wire.EntryInfo.of(entry, pointed).model_dump(by_alias=True, exclude_none=True)
+    assert info["type"] == "FILE_TYPE_DIRECTORY" and info["isSymlink"] and info["symlinkTarget"] == "d"
+    assert info["permissions"] == "drwxrwxrwx" and info["modifiedTime"] == "1970-01-01T00:00:00.500000Z"
 
 
 def test_metadata_filters_come_doubly_encoded():
@@ -182,6 +192,58 @@ async def test_a_fork_of_count_n_answers_one_result_per_child_each_on_its_own(tm
             assert len({c["envdAccessToken"] for c in children}) == 2
     finally:
         await plane.close()
+
+
+async def test_what_boxd_does_not_do_is_refused_naming_the_field_and_makes_nothing(plane, e2b):
+    refused = {
+        "network.allowOut": {"network": {"allowOut": ["1.1.1.1"], "denyOut": ["0.0.0.0/0"]}},
+        "network.denyOut": {"network": {"denyOut": ["8.8.8.8"]}},
+        "network.maskRequestHost": {"network": {"maskRequestHost": "custom-host.example.com:${PORT}"}},
+        "network.allowPublicTraffic": {"network": {"allowPublicTraffic": True}},
+        "network.egressProxy": {"network": {"egressProxy": {"address": "proxy:1080"}}},
+        "network.rules": {"network": {"rules": {"api.example.com": [{"transform": {"headers": {"a": "b"}}}]}}},
+        "network.httpsPorts": {"network": {"httpsPorts": [8443]}},
+        "mcp": {"mcp": {"server": {}}},
+        "volumeMounts": {"volumeMounts": [{"name": "vol", "path": "/data"}]},
+        "iam.tokens": {"iam": {"tokens": {"aws": {"audience": "sts", "tokenType": "JWT-SVID"}}}},
+        "autoResume.enabled": {"autoPause": True, "autoResume": {"enabled": True}},
+        "body: unknown field(s) futureFence": {"futureFence": {"on": True}},
+        "network: unknown field(s) futureRule": {"network": {"futureRule": 1}},
+    }
+    for field, body in refused.items():
+        answer = await e2b.post(f"{E2B}/v2/sandboxes", json={"templateID": "base", **body})
+        assert answer.status_code == 400 and answer.json()["code"] == 400, (field, answer.text)
+        assert answer.json()["message"].startswith(field), (field, answer.json()["message"])
+    assert plane.store.list_machines("alice") == []
+
+
+async def test_what_boxd_does_or_what_asks_for_nothing_is_accepted(plane, e2b):
+    # Denying all egress is an isolated machine, as allow_internet_access=False is.
+    fenced = await new_sandbox(e2b, network={"denyOut": ["0.0.0.0/0"], "allowPublicTraffic": False})
+    offline = await new_sandbox(e2b, allow_internet_access=False)
+    harmless = await new_sandbox(e2b, secure=False, mcp=None, volumeMounts=[], iam={"tokens": {}},
+                                 autoResume={"enabled": False}, network={"allowOut": [], "dnsServers": []})
+    isolation = {m.id: m.isolated for m in plane.store.list_machines("alice")}
+    assert isolation == {fenced["sandboxID"]: True, offline["sandboxID"]: True, harmless["sandboxID"]: False}
+
+
+async def test_pause_resume_snapshot_and_refresh_bodies_are_read_not_ignored(plane, e2b):
+    sandbox = await new_sandbox(e2b, timeout=600)
+    url = f"{E2B}/sandboxes/{sandbox['sandboxID']}"
+    no_memory = await e2b.post(f"{url}/snapshots", json={"memory": False})
+    assert no_memory.status_code == 400 and no_memory.json()["message"].startswith("memory:")
+    assert (await e2b.post(f"{url}/pause", json={"requireHealthyGuest": True})).status_code == 204
+    reboot = await e2b.post(f"{E2B}/v2/sandboxes/{sandbox['sandboxID']}/connect", json={"timeout": 60, "memory": False})
+    assert reboot.status_code == 400 and reboot.json()["message"].startswith("memory:")
+    # Resuming can switch the sandbox to pausing when its time runs out.
+    assert (await e2b.post(f"{url}/resume", json={"timeout": 600, "autoPause": True})).status_code == 201
+    assert (await e2b.post(f"{url}/refreshes", json={"duration": 1200})).status_code == 204
+    end_at = datetime.fromisoformat((await e2b.get(url)).json()["endAt"])
+    assert 1100 < (end_at - datetime.now(UTC)).total_seconds() <= 1200
+    await e2b.post(f"{url}/timeout", json={"timeout": 1})
+    await asyncio.sleep(1.1)
+    await sandboxes_of(plane).enforce_expiry()
+    assert (await e2b.get(url)).json()["state"] == "paused"
 
 
 # -- envd --------------------------------------------------------------------------------

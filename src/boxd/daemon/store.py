@@ -503,6 +503,10 @@ class Store:
         with self._transaction() as db:
             db.execute("UPDATE e2b_sandboxes SET expires_at = ? WHERE machine = ?", (expires_at, machine_id))
 
+    def set_sandbox_auto_pause(self, machine_id: str, auto_pause: bool) -> None:
+        with self._transaction() as db:
+            db.execute("UPDATE e2b_sandboxes SET auto_pause = ? WHERE machine = ?", (int(auto_pause), machine_id))
+
     def expired_sandboxes(self, now: float) -> list[tuple[SandboxRecord, Machine]]:
         """Sandboxes past their time whose machine is not deleted (one paused through the
         E2B API has no expiry until it is resumed; one boxd put to sleep when idle has)."""

@@ -96,21 +96,27 @@ async def set_timeout(sandbox_id: str, body: wire.Timeout, account: Account, san
 
 
 @router.post("/sandboxes/{sandbox_id}/refreshes", status_code=204)
-async def keep_alive(sandbox_id: str, account: Account, sandboxes: Sandboxes) -> None:
-    """Older SDKs' keep-alive: extends the sandbox's time (by its default) like connect."""
-    await sandboxes.connect(account, sandbox_id, wire.DEFAULT_TIMEOUT_S)
+async def keep_alive(
+    sandbox_id: str, account: Account, sandboxes: Sandboxes, body: wire.Refresh | None = None
+) -> None:
+    """Older SDKs' keep-alive: extends the sandbox's time (by ``duration``, else its default) like connect."""
+    duration = body.duration if body and body.duration is not None else wire.DEFAULT_TIMEOUT_S
+    await sandboxes.connect(account, sandbox_id, duration)
 
 
 @router.post("/sandboxes/{sandbox_id}/pause", status_code=204)
-async def pause_sandbox(sandbox_id: str, account: Account, sandboxes: Sandboxes) -> None:
-    await sandboxes.pause(account, sandbox_id)
+async def pause_sandbox(
+    sandbox_id: str, account: Account, sandboxes: Sandboxes, body: wire.PauseSandbox | None = None
+) -> None:
+    """SDKs before 2.30 send no body."""
+    await sandboxes.pause(account, sandbox_id, body or wire.PauseSandbox())
 
 
 @router.post("/sandboxes/{sandbox_id}/resume")
 async def resume_sandbox(
     sandbox_id: str, body: wire.ResumeSandbox, account: Account, sandboxes: Sandboxes
 ) -> Response:
-    return _json(await sandboxes.resume(account, sandbox_id, body.timeout), 201)
+    return _json(await sandboxes.resume(account, sandbox_id, body), 201)
 
 
 @router.post("/sandboxes/{sandbox_id}/connect")
@@ -118,7 +124,7 @@ async def resume_sandbox(
 async def connect_sandbox(
     sandbox_id: str, body: wire.ConnectSandbox, account: Account, sandboxes: Sandboxes
 ) -> Response:
-    answer, resumed = await sandboxes.connect(account, sandbox_id, body.timeout)
+    answer, resumed = await sandboxes.connect(account, sandbox_id, body.timeout, memory=body.memory)
     return _json(answer, 201 if resumed else 200)
 
 

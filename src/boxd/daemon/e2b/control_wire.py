@@ -5,9 +5,9 @@ their generated ``from_dict`` requires. Names are E2B's own (``templateID``,
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # The envd version the SDKs are told: stdin control (0.3), a default user (0.4), closing
 # stdin (0.5.2), octet-stream uploads (0.5.7). File metadata (0.6.2) and watch entries
@@ -17,11 +17,94 @@ CLIENT_ID = "boxd"
 DEFAULT_TIMEOUT_S = 300
 MAX_TIMEOUT_S = 30 * 24 * 3600
 MAX_FORK_COUNT = 32
+# E2B's name for every IPv4 destination: denying it alone is what an isolated machine does.
+ALL_TRAFFIC = "0.0.0.0/0"
 
 
 class _Request(BaseModel):
-    # E2B's SDKs add fields over time; one this server does not know is left alone.
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    """Every field E2B's SDKs (2.0 to 2.63) send is declared. One this server does not know
+    is refused, not ignored: it may ask for something (a fence, a mount) boxd would not do."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _no_unknown_fields(self) -> Self:
+        if self.model_extra:
+            names = ", ".join(sorted(self.model_extra))
+            raise ValueError(f"unknown field(s) {names}: boxd's E2B API refuses what it does not know")
+        return self
+
+
+def _unserved(why: str) -> AfterValidator:
+    """A field asking for what boxd does not do: any value but its empty default is refused
+    (400, naming the field), so that no client believes it done."""
+
+    def refuse_if_set(value: Any) -> Any:
+        if value:
+            raise ValueError(why)
+        return value
+
+    return AfterValidator(refuse_if_set)
+
+
+class SandboxNetwork(_Request):
+    """E2B's network options. boxd can cut all egress (an isolated machine), and its sandboxes
+    have no public URLs; finer fences are refused until boxd enforces them."""
+
+    allow_public_traffic: Annotated[
+        bool | None, _unserved("boxd serves no public sandbox URLs (false, the fenced choice, is what it does)")
+    ] = Field(default=None, alias="allowPublicTraffic")
+    allow_out: Annotated[
+        list[str], _unserved(f"boxd does not enforce egress allow lists yet; it can only deny all ({ALL_TRAFFIC})")
+    ] = Field(default_factory=list, alias="allowOut")
+    deny_out: list[str] = Field(default_factory=list, alias="denyOut")
+    # Only used for allowOut's domains, which are refused: nothing to do.
+    dns_servers: list[str] | None = Field(default=None, alias="dnsServers")
+    egress_proxy: Annotated[
+        dict[str, Any] | None, _unserved("boxd does not tunnel a sandbox's egress through a proxy")
+    ] = Field(default=None, alias="egressProxy")
+    mask_request_host: Annotated[
+        str | None, _unserved("boxd does not rewrite the Host of requests to a sandbox")
+    ] = Field(default=None, alias="maskRequestHost")
+    https_ports: Annotated[
+        list[int], _unserved("boxd serves no per-port sandbox URLs")
+    ] = Field(default_factory=list, alias="httpsPorts")
+    rules: Annotated[dict[str, Any], _unserved("boxd does not transform a sandbox's egress requests")] = Field(
+        default_factory=dict
+    )
+
+    @field_validator("deny_out")
+    @classmethod
+    def _all_or_nothing(cls, deny_out: list[str]) -> list[str]:
+        if any(entry != ALL_TRAFFIC for entry in deny_out):
+            raise ValueError(f"boxd can deny all egress ({ALL_TRAFFIC!r}) but not single destinations yet")
+        return deny_out
+
+
+class AutoResume(_Request):
+    enabled: Annotated[
+        bool, _unserved("boxd does not wake a paused sandbox on traffic; resume it with connect()")
+    ] = False
+
+
+class SandboxIam(_Request):
+    tokens: Annotated[dict[str, Any], _unserved("boxd issues no workload identity tokens")] = Field(
+        default_factory=dict
+    )
+
+
+def _keeps_memory(why: str) -> AfterValidator:
+    """``memory: false`` asks to drop a sandbox's memory: refused where boxd cannot."""
+
+    def refuse_false(memory: bool) -> bool:
+        if not memory:
+            raise ValueError(why)
+        return memory
+
+    return AfterValidator(refuse_false)
+
+
+_NO_MEMORYLESS_PAUSE = _keeps_memory("boxd cannot yet pause a sandbox without its memory")
 
 
 class _Answer(BaseModel):
@@ -32,23 +115,51 @@ class NewSandbox(_Request):
     template_id: str = Field(alias="templateID", min_length=1)
     timeout: int = Field(default=DEFAULT_TIMEOUT_S, ge=0, le=MAX_TIMEOUT_S)
     auto_pause: bool = Field(default=False, alias="autoPause")
+    auto_pause_memory: Annotated[bool, _NO_MEMORYLESS_PAUSE] = Field(default=True, alias="autoPauseMemory")
+    auto_resume: AutoResume | None = Field(default=None, alias="autoResume")
+    # E2B itself now ignores it: every sandbox's envd calls need its token, and the SDKs
+    # send the token they are given either way.
     secure: bool = True
     allow_internet_access: bool = True
+    network: SandboxNetwork | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
     env_vars: dict[str, str] = Field(default_factory=dict, alias="envVars")
+    mcp: Annotated[dict[str, Any] | None, _unserved("boxd starts no MCP gateway in a sandbox")] = None
+    iam: SandboxIam | None = None
+    volume_mounts: Annotated[list[dict[str, Any]], _unserved("boxd mounts no E2B volumes")] = Field(
+        default_factory=list, alias="volumeMounts"
+    )
+
+    @property
+    def isolated(self) -> bool:
+        """No egress at all: what ``allow_internet_access=False`` and ``denyOut: [0.0.0.0/0]`` both ask."""
+        return not self.allow_internet_access or (self.network is not None and ALL_TRAFFIC in self.network.deny_out)
 
 
 class Timeout(_Request):
     timeout: int = Field(ge=0, le=MAX_TIMEOUT_S)
 
 
+class Refresh(_Request):
+    """Older SDKs' keep-alive."""
+
+    duration: int | None = Field(default=None, ge=0, le=MAX_TIMEOUT_S)
+
+
 class ConnectSandbox(_Request):
     timeout: int = Field(default=DEFAULT_TIMEOUT_S, ge=0, le=MAX_TIMEOUT_S)
+    # False asks to boot a paused sandbox from its disk, dropping the memory it kept.
+    memory: bool = True
 
 
-class ResumeSandbox(_Request):
-    timeout: int = Field(default=DEFAULT_TIMEOUT_S, ge=0, le=MAX_TIMEOUT_S)
-    auto_pause: bool = Field(default=False, alias="autoPause")
+class ResumeSandbox(ConnectSandbox):
+    auto_pause: bool | None = Field(default=None, alias="autoPause")  # None: as the sandbox had it
+
+
+class PauseSandbox(_Request):
+    memory: Annotated[bool, _NO_MEMORYLESS_PAUSE] = True
+    # True: refuse (503) to pause a sandbox whose guest agent does not answer.
+    require_healthy_guest: bool = Field(default=False, alias="requireHealthyGuest")
 
 
 class ForkSandbox(_Request):
@@ -58,6 +169,7 @@ class ForkSandbox(_Request):
 
 class SnapshotSandbox(_Request):
     name: str | None = None
+    memory: Annotated[bool, _keeps_memory("boxd snapshots always hold the sandbox's memory")] = True
 
 
 class Sandbox(_Answer):

@@ -24,8 +24,8 @@ from boxd.daemon.logs import event
 from boxd.daemon.machines import MachineService
 from boxd.daemon.snapshots import SnapshotService
 from boxd.daemon.store import SandboxRecord, Store
-from boxd.errors import AuthError, BoxdError, Conflict, InvalidInput, NotFound, Unreachable
-from boxd.models import Machine, MachineCreate, MachineFork, MachineState, SnapshotCreate, SnapshotState
+from boxd.errors import AgentUnavailable, AuthError, BoxdError, Conflict, InvalidInput, NotFound, Unreachable
+from boxd.models import ExecBody, Machine, MachineCreate, MachineFork, MachineState, SnapshotCreate, SnapshotState
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 IMAGE_TEMPLATES = frozenset({"base", "boxd"})
 EXPIRY_CHECK_S = 1.0
 SNAPSHOT_POLL_S = 0.2
+GUEST_CHECK_S = 5.0  # how long a guest agent has to answer before a pause that needs it is refused
 _PAUSED = (MachineState.PAUSED, MachineState.STOPPED)
 _GONE = (MachineState.FAILED, MachineState.LOST)  # kept on record, but no sandbox any more
 
@@ -142,7 +143,7 @@ class SandboxService:
             from_snapshot = snapshot.ref
         # No idle sleeping: a sandbox's life is its timeout and its pauses, as in E2B.
         machine = await self.machines.create(account, MachineCreate(
-            name=_new_name(), isolated=not request.allow_internet_access, from_snapshot=from_snapshot,
+            name=_new_name(), isolated=request.isolated, from_snapshot=from_snapshot,
             suspend_after_s=0, hibernate_after_s=0,
         ))
         record = SandboxRecord(
@@ -163,11 +164,16 @@ class SandboxService:
         event(log, "e2b.sandbox_created", machine=machine.id, template=record.template)
         return self._answer(record)
 
-    async def connect(self, account: str, sandbox_id: str, timeout: int) -> tuple[wire.Sandbox, bool]:
+    async def connect(
+        self, account: str, sandbox_id: str, timeout: int, *, memory: bool = True
+    ) -> tuple[wire.Sandbox, bool]:
         """Resume the sandbox if it is paused; its time is extended, never shortened.
-        Returns whether it had to be resumed."""
+        Returns whether it had to be resumed. ``memory=False`` (boot a paused sandbox from
+        its disk) is refused: boxd cannot drop the memory a pause kept."""
         record, machine = self._find(account, sandbox_id)
         was_paused = machine.state in _PAUSED
+        if was_paused and not memory:
+            raise InvalidInput("memory: boxd cannot drop a paused sandbox's memory when resuming it", field="memory")
         await self.machines.resume(account, sandbox_id)
         await self.machines.wait_ready(account, sandbox_id, self.machines.limits.ready_timeout_s)
         expires = _expiry(timeout)
@@ -176,20 +182,35 @@ class SandboxService:
             self._store.set_sandbox_expiry(sandbox_id, expires)
         return self._answer(record), was_paused
 
-    async def resume(self, account: str, sandbox_id: str, timeout: int) -> wire.Sandbox:
+    async def resume(self, account: str, sandbox_id: str, request: wire.ResumeSandbox) -> wire.Sandbox:
         _, machine = self._find(account, sandbox_id)
         if machine.state not in _PAUSED:
             raise Conflict(f"sandbox {sandbox_id} is already running", field="sandboxID")
-        answer, _ = await self.connect(account, sandbox_id, timeout)
+        answer, _ = await self.connect(account, sandbox_id, request.timeout, memory=request.memory)
+        if request.auto_pause is not None:
+            self._store.set_sandbox_auto_pause(sandbox_id, request.auto_pause)
         return answer
 
-    async def pause(self, account: str, sandbox_id: str) -> None:
+    async def pause(self, account: str, sandbox_id: str, request: wire.PauseSandbox) -> None:
         _, machine = self._find(account, sandbox_id)
         if machine.state in _PAUSED:
             raise Conflict(f"sandbox {sandbox_id} is already paused", field="sandboxID")
+        if request.require_healthy_guest:
+            await self._check_guest_answers(account, sandbox_id)
         await self.machines.hibernate(account, sandbox_id)
         self._store.set_sandbox_expiry(sandbox_id, None)
         event(log, "e2b.sandbox_paused", machine=sandbox_id)
+
+    async def _check_guest_answers(self, account: str, sandbox_id: str) -> None:
+        try:
+            async with asyncio.timeout(GUEST_CHECK_S):
+                await self.machines.exec(account, sandbox_id, ExecBody(argv=["true"]))
+        except (BoxdError, TimeoutError) as error:
+            why = error.message if isinstance(error, BoxdError) else f"no answer in {GUEST_CHECK_S:g} s"
+            raise AgentUnavailable(
+                f"sandbox {sandbox_id} was not paused: its guest agent does not answer ({why})",
+                field="requireHealthyGuest",
+            ) from None
 
     async def kill(self, account: str, sandbox_id: str) -> None:
         self._find(account, sandbox_id)
