@@ -9,10 +9,10 @@ from typing import Annotated, Any, Literal, Self
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-# The envd version the SDKs are told: stdin control (0.3), a default user (0.4), closing
-# stdin (0.5.2), octet-stream uploads (0.5.7). File metadata (0.6.2) and watch entries
-# (0.6.3) are not served, so the SDKs refuse those themselves, with a clear error.
-ENVD_VERSION = "0.5.7"
+# The envd version the SDKs are told, which unlocks what boxd serves: stdin control (0.3),
+# a default user (0.4), closing stdin (0.5.2), octet-stream uploads (0.5.7), file metadata
+# (0.6.2), entries in watch events (0.6.3), watches allowed on network mounts (0.6.4).
+ENVD_VERSION = "0.6.4"
 CLIENT_ID = "boxd"
 DEFAULT_TIMEOUT_S = 300
 MAX_TIMEOUT_S = 30 * 24 * 3600
