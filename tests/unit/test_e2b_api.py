@@ -9,7 +9,7 @@ import base64
 import json
 import struct
 import urllib.parse
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from fakes import ControlPlane
@@ -118,10 +118,11 @@ async def test_create_get_list_and_kill_answer_in_e2b_shapes(plane, e2b):
     wanted = urllib.parse.urlencode({"run": "2"})
     listed = await e2b.get(f"{E2B}/v2/sandboxes", params={"metadata": wanted})
     assert [s["sandboxID"] for s in listed.json()] == [second["sandboxID"]]
-    page = await e2b.get(f"{E2B}/v2/sandboxes", params={"limit": 1})
-    assert len(page.json()) == 1 and page.headers["x-next-token"] == second["sandboxID"]
+    page = await e2b.get(f"{E2B}/v2/sandboxes", params={"limit": 1})  # newest first
+    assert [s["sandboxID"] for s in page.json()] == [second["sandboxID"]]
+    assert page.headers["x-next-token"] == first["sandboxID"]
     rest = await e2b.get(f"{E2B}/v2/sandboxes", params={"limit": 1, "nextToken": page.headers["x-next-token"]})
-    assert [s["sandboxID"] for s in rest.json()] == [second["sandboxID"]] and "x-next-token" not in rest.headers
+    assert [s["sandboxID"] for s in rest.json()] == [first["sandboxID"]] and "x-next-token" not in rest.headers
 
     assert (await e2b.delete(f"{E2B}/sandboxes/{first['sandboxID']}")).status_code == 204
     gone = await e2b.get(f"{E2B}/sandboxes/{first['sandboxID']}")
@@ -244,6 +245,28 @@ async def test_pause_resume_snapshot_and_refresh_bodies_are_read_not_ignored(pla
     await asyncio.sleep(1.1)
     await sandboxes_of(plane).enforce_expiry()
     assert (await e2b.get(url)).json()["state"] == "paused"
+
+
+async def test_a_list_is_newest_first_unless_asked_and_filters_by_start_and_template(plane, e2b):
+    older = await new_sandbox(e2b, metadata={"run": "x"})
+    newer = await new_sandbox(e2b, metadata={"run": "x"}, templateID="boxd")
+
+    async def listed(**params) -> list[str]:
+        answer = await e2b.get(f"{E2B}/v2/sandboxes", params={"metadata": "run=x", **params})
+        assert answer.status_code == 200, answer.text
+        return [s["sandboxID"] for s in answer.json()]
+
+    assert await listed() == await listed(order="desc") == [newer["sandboxID"], older["sandboxID"]]
+    assert await listed(order="asc") == [older["sandboxID"], newer["sandboxID"]]
+    # What the SDK sends back: a sandbox's own startedAt, in local time, is "at or after" it.
+    started = datetime.fromisoformat((await e2b.get(f"{E2B}/sandboxes/{newer['sandboxID']}")).json()["startedAt"])
+    assert await listed(startedAfter=started.astimezone().isoformat()) == [newer["sandboxID"]]
+    assert await listed(startedAfter=(started + timedelta(seconds=1)).isoformat()) == []
+    # "base" and "boxd" both name boxd's image.
+    assert await listed(template="base") == [newer["sandboxID"], older["sandboxID"]]
+    assert await listed(template="unknown-template") == []
+    bad = await e2b.get(f"{E2B}/v2/sandboxes", params={"order": "newest"})
+    assert bad.status_code == 400 and bad.json()["message"].startswith("order:")
 
 
 # -- envd --------------------------------------------------------------------------------

@@ -3,14 +3,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from datetime import datetime
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from boxd.daemon.auth import KEY_PREFIX, Keys
 from boxd.daemon.e2b import control_wire as wire
-from boxd.daemon.e2b.service import SandboxService, parse_metadata_filter
+from boxd.daemon.e2b.service import SandboxQuery, SandboxService, parse_metadata_filter
 from boxd.errors import AuthError, InvalidInput, Unsupported
 
 router = APIRouter()
@@ -53,8 +54,8 @@ async def create_sandbox(body: wire.NewSandbox, account: Account, sandboxes: San
 async def list_running_sandboxes(
     account: Account, sandboxes: Sandboxes, metadata: str | None = None
 ) -> Response:
-    page, _ = sandboxes.list(account, metadata=parse_metadata_filter(metadata), states={"running"},
-                             limit=10_000, after=None)
+    query = SandboxQuery(metadata=parse_metadata_filter(metadata), states=frozenset({"running"}))
+    page, _ = sandboxes.list(account, query, limit=10_000, after=None)
     return _json(page)
 
 
@@ -66,14 +67,18 @@ async def list_sandboxes(
     state: str | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     next_token: Annotated[str | None, Query(alias="nextToken")] = None,
+    order: Literal["asc", "desc"] = "desc",
+    started_after: Annotated[datetime | None, Query(alias="startedAfter")] = None,
+    template: Annotated[str | None, Query(min_length=1)] = None,
 ) -> Response:
-    states = {"running", "paused"}
+    states = frozenset({"running", "paused"})
     if state:
-        states = {item.strip() for item in state.split(",") if item.strip()}
+        states = frozenset(item.strip() for item in state.split(",") if item.strip())
         if not states <= {"running", "paused"}:
             raise InvalidInput(f"state: expected running and/or paused, got {state!r}", field="state")
-    page, following = sandboxes.list(account, metadata=parse_metadata_filter(metadata), states=states,
-                                     limit=limit, after=next_token)
+    query = SandboxQuery(metadata=parse_metadata_filter(metadata), states=states, started_after=started_after,
+                         template=template)
+    page, following = sandboxes.list(account, query, order=order, limit=limit, after=next_token)
     answer = _json(page)
     if following:
         answer.headers["x-next-token"] = following

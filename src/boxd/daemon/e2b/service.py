@@ -16,8 +16,10 @@ import logging
 import secrets
 import time
 import urllib.parse
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Literal, TypeVar
 
 from boxd.daemon.e2b import control_wire as wire
 from boxd.daemon.logs import event
@@ -36,6 +38,28 @@ SNAPSHOT_POLL_S = 0.2
 GUEST_CHECK_S = 5.0  # how long a guest agent has to answer before a pause that needs it is refused
 _PAUSED = (MachineState.PAUSED, MachineState.STOPPED)
 _GONE = (MachineState.FAILED, MachineState.LOST)  # kept on record, but no sandbox any more
+Item = TypeVar("Item")
+
+
+@dataclass(frozen=True)
+class SandboxQuery:
+    """Which sandboxes a list asks for, by E2B's filters (all of them must hold)."""
+
+    metadata: dict[str, str] = field(default_factory=dict)
+    states: frozenset[str] = frozenset({"running", "paused"})
+    started_after: datetime | None = None  # at or after; naive means UTC
+    template: str | None = None
+
+    def matches(self, record: SandboxRecord, machine: Machine) -> bool:
+        if _state(machine) not in self.states:
+            return False
+        if any(record.metadata.get(key) != value for key, value in self.metadata.items()):
+            return False
+        if self.started_after is not None:
+            bound = self.started_after if self.started_after.tzinfo else self.started_after.replace(tzinfo=UTC)
+            if machine.created_at < bound:
+                return False
+        return self.template is None or _same_template(record.template, self.template)
 
 
 @dataclass(frozen=True)
@@ -50,6 +74,21 @@ class Target:
 
 def _state(machine: Machine) -> str:
     return "paused" if machine.state in _PAUSED else "running"
+
+
+def _same_template(asked: str, other: str) -> bool:
+    return asked == other or (asked in IMAGE_TEMPLATES and other in IMAGE_TEMPLATES)
+
+
+def page_of(items: Sequence[Item], ids: Sequence[str], limit: int, after: str | None) -> tuple[list[Item], str | None]:
+    """One page of ``items`` and the token of the next (the id of its first item), if any."""
+    start = 0
+    if after is not None:
+        if after not in ids:
+            raise InvalidInput(f"nextToken: {after!r} is not a token this server gave", field="nextToken")
+        start = ids.index(after)
+    following = ids[start + limit] if start + limit < len(ids) else None
+    return list(items[start : start + limit]), following
 
 
 def parse_metadata_filter(query: str | None) -> dict[str, str]:
@@ -226,26 +265,18 @@ class SandboxService:
         self._store.set_sandbox_expiry(sandbox_id, _expiry(timeout))
 
     def list(
-        self, account: str, *, metadata: dict[str, str], states: set[str], limit: int, after: str | None
+        self, account: str, query: SandboxQuery, *, order: Literal["asc", "desc"] = "desc", limit: int,
+        after: str | None,
     ) -> tuple[list[wire.SandboxDetail], str | None]:
-        """One page, oldest first; the token is the id of the first sandbox of the next page."""
+        """One page, newest first unless ``order`` is asc (as in E2B), and the next page's token."""
         found = []
-        for machine in self._store.list_machines(account):
+        for machine in self._store.list_machines(account):  # oldest first
             record = self._store.find_sandbox(machine.id)
-            if record is None or machine.state in _GONE or _state(machine) not in states:
-                continue
-            if any(record.metadata.get(key) != value for key, value in metadata.items()):
-                continue
-            found.append(self._detail(record, machine, with_token=False))
-        start = 0
-        if after is not None:
-            ids = [sandbox.sandbox_id for sandbox in found]
-            if after not in ids:
-                raise InvalidInput(f"nextToken: {after!r} is not a token this server gave", field="nextToken")
-            start = ids.index(after)
-        page = found[start : start + limit]
-        following = found[start + limit] if start + limit < len(found) else None
-        return page, following.sandbox_id if following else None
+            if record is not None and machine.state not in _GONE and query.matches(record, machine):
+                found.append(self._detail(record, machine, with_token=False))
+        if order == "desc":
+            found.reverse()
+        return page_of(found, [sandbox.sandbox_id for sandbox in found], limit, after)
 
     async def fork(self, account: str, sandbox_id: str, request: wire.ForkSandbox) -> list[wire.ForkResult]:
         """``count`` children at once: boxd shares one capture of the source among them."""
