@@ -44,3 +44,21 @@ async def test_another_accounts_machine_cannot_be_forked(plane):
         attempt = await dave.post("/v1/machines/secret/fork", json={"name": "stolen"})
         assert attempt.status_code == 404
         assert (await dave.get("/v1/machines")).json() == []
+
+async def test_a_fork_whose_source_goes_meanwhile_leaves_no_machine_behind(plane, monkeypatch):
+    """The source passed the daemon's checks, then a delete won the race in the runtime."""
+    from boxd.errors import NotFound
+
+    async with plane.http(plane.key_for("erin")) as erin:
+        await ready_machine(erin, "base")
+
+        async def source_gone(source_id, new_ids, *, host=None):
+            raise NotFound(f"machine {source_id}: deleted meanwhile")
+
+        monkeypatch.setattr(plane.runtime, "fork", source_gone)
+        refused = await erin.post("/v1/machines/base/fork", json={"name": "orphan"})
+        assert refused.status_code == 404
+        assert [m["name"] for m in (await erin.get("/v1/machines")).json()] == ["base"]
+        # the name is free again
+        monkeypatch.undo()
+        assert (await erin.post("/v1/machines/base/fork", json={"name": "orphan"})).status_code == 201

@@ -267,6 +267,12 @@ class MachineService:
         async with self.lifecycle_lock(machine.id):
             try:
                 info = await start()
+            except (NotFound, Conflict) as error:
+                # Refused before anything was made (a fork's source deleted or stopped meanwhile):
+                # the request changes nothing, so no failed machine is left on record.
+                self._store.mark_deleted(machine.id)
+                event(log, "machine.refused", machine=machine.id, reason=reason_of(error))
+                raise
             except BaseException as error:
                 self._fail(machine.id, reason_of(error))
                 raise

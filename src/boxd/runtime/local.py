@@ -655,8 +655,14 @@ class LocalRuntime:
             log.warning("background work failed: %s", task.exception())
 
     def _capture_lock(self, vm_id: str) -> asyncio.Lock:
-        """Held while a machine is captured or rewound: both change its processes and disk chain."""
+        """Held while a machine is captured, rewound, put to sleep, woken or deleted: each
+        changes its processes and disk chain."""
         return self._capture_locks.setdefault(vm_id, asyncio.Lock())
+
+    def _check_not_deleted(self, machine: Machine) -> None:
+        """Under its capture lock: a delete that held the lock before may have removed it."""
+        if self._machines.get(machine.id) is not machine:
+            raise NotFound(f"machine {machine.id}: deleted meanwhile")
 
     async def _take_capture(self, source: Machine, batch: _Batch) -> None:
         async with self._capture_lock(source.id):
@@ -736,6 +742,7 @@ class LocalRuntime:
         copying the RAM file with the source stopped (correct, but the pause grows with
         the RAM the source uses).
         """
+        self._check_not_deleted(source)
         image = await self._image(source.image_path)
         capture_id = f"{source.id}-{secrets.token_hex(4)}"
         folder = self.captures_dir / capture_id
@@ -966,6 +973,7 @@ class LocalRuntime:
         chain = self._checkpoint_chain(machine, checkpoint_id)
         image = await self._image(machine.image_path)
         async with self._capture_lock(vm_id):
+            self._check_not_deleted(machine)
             started = time.monotonic()
             await self._disconnect(vm_id)
             await stop_process(machine.pid, self._marker(vm_id))
@@ -1121,6 +1129,7 @@ class LocalRuntime:
         source = self._running(vm_id, "forked")
         image = await self._image(source.image_path)
         async with self._capture_lock(vm_id):
+            self._check_not_deleted(source)
             if source.runs_while_captured:
                 await self._map_ram_in(source)
             frozen, pause_s, status = await self._send_instant(source, uri)
@@ -1221,6 +1230,7 @@ class LocalRuntime:
         """
         machine = self._running(vm_id, "hibernated")
         async with self._capture_lock(vm_id):
+            self._check_not_deleted(machine)
             if not keep_memory:
                 with contextlib.suppress(BoxdError):  # a guest that cannot sync still gets its disk flushed
                     async for _ in self.exec(vm_id, ExecRequest(argv=["sync"], user="root", timeout=60)):
@@ -1276,6 +1286,7 @@ class LocalRuntime:
         saved = self._hibernation_file(machine.id)
         memory_kept = saved.exists()
         async with self._capture_lock(machine.id):
+            self._check_not_deleted(machine)
             self._check_room(machine.spec)
             machine.top_node = "root"  # a new QEMU names its top layer afresh
             machine.pid = await self._start_processes(self._launch(machine, image, incoming=memory_kept))
