@@ -95,16 +95,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fresh", action="store_true", help="rebuild rl-base even if it is already warm")
     parser.add_argument("--rollouts", type=int, default=8)
+    parser.add_argument("--batches", type=int, default=1,
+                        help="run the concurrent rollouts this many times (a soak: every fork must succeed)")
     options = parser.parse_args()
 
     clean_leftovers()
     setup = prepare_base(options.fresh)
 
-    started = time.perf_counter()
-    with console.status(f"{options.rollouts} rollouts, each a fork of {BASE}"):
-        with ThreadPoolExecutor(max_workers=8) as pool:
-            rollouts = list(pool.map(lambda s: rollout(f"rollout-{s}", seed=s), range(options.rollouts)))
-    batch_s = time.perf_counter() - started
+    batches, failures = [], []
+    for batch in range(options.batches):
+        started = time.perf_counter()
+        with console.status(f"batch {batch + 1}/{options.batches}: {options.rollouts} rollouts, each a fork of {BASE}"):
+            with ThreadPoolExecutor(max_workers=8) as pool:
+                attempts = [pool.submit(rollout, f"rollout-{s}", s) for s in range(options.rollouts)]
+                done = []
+                for attempt in attempts:
+                    try:
+                        done.append(attempt.result())
+                    except Exception as error:  # noqa: BLE001 - counted and reported, the soak goes on
+                        failures.append(f"batch {batch + 1}: {type(error).__name__}: {error}")
+        batches.append((done, time.perf_counter() - started))
+        clean_leftovers()
+    rollouts, batch_s = batches[0]
     with console.status("the seed's check: two forks, seed 42"):
         with ThreadPoolExecutor(max_workers=2) as pool:
             a, b = pool.map(lambda name: rollout(name, seed=42), ["check-a", "check-b"])
@@ -127,10 +139,20 @@ def main() -> None:
                   f"seeds 0..{options.rollouts - 1}: {'all different' if distinct else 'some equal'}")
     fork_ready = statistics.median(row["fork_ready_s"] for row in rollouts)
     console.print(f"{options.rollouts} rollouts in {batch_s:.1f} s; median fork ready in {fork_ready:.2f} s")
+    if options.batches > 1:
+        every = sorted(row["fork_ready_s"] for done, _ in batches for row in done)
+        console.print(
+            f"{options.batches} batches of {options.rollouts} concurrent rollouts: {len(every)} forks ready, "
+            f"{len(failures)} failed; fork ready median {statistics.median(every):.2f} s, "
+            f"slowest {every[-1]:.2f} s; batch median {statistics.median(s for _, s in batches):.1f} s"
+        )
+    for failure in failures:
+        console.print(f"[red]{failure}[/red]")
     if setup:
         cold = sum(setup.values())
         steps = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in setup.items())
         console.print(f"a fresh machine needs {cold:.1f} s ({steps}): a fork is ready {cold / fork_ready:.0f}x sooner")
+    assert not failures, f"{len(failures)} rollouts failed"
     assert same, "same starting bytes + same seed should give the same trajectory"
     assert distinct, "different seeds should give different trajectories"
 
