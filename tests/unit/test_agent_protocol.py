@@ -19,7 +19,7 @@ import pytest
 
 from boxd.errors import Conflict, InvalidInput, NotFound
 from boxd.guest.agent import Agent, Channel
-from boxd.runtime.agent_client import AgentClient
+from boxd.runtime.agent_client import WATCH_STARTED, AgentClient
 
 
 class AgentOnSocket:
@@ -386,6 +386,7 @@ def test_a_watch_reports_changes_in_a_directory_tree_until_it_is_left(agent_sock
         return seen, watches_left
 
     seen, watches_left = run(scenario())
+    assert seen[0] == WATCH_STARTED  # before any change: from here on none is missed
     assert ("a.txt", "create") in seen and ("a.txt", "write") in seen and ("a.txt", "rename") in seen
     assert ("b.txt", "create") in seen and ("b.txt", "remove") in seen and ("sub/new", "create") in seen
     assert watches_left == 0

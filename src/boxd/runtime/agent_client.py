@@ -45,6 +45,9 @@ TUNNEL_CHUNK = 64 * 1024  # bytes read from a host connection at a time
 TUNNEL_WINDOW = 1 << 20
 TUNNEL_ACK_EVERY = 256 * 1024
 TUNNEL_EVENTS = frozenset({"tunnel_open", "tunnel_data", "tunnel_ack", "tunnel_close"})
+# What a watch yields first, once the guest watches the folder: until then a change
+# could be missed, and a folder that cannot be watched fails the watch instead.
+WATCH_STARTED = ("", "started")
 
 TunnelConnect = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
 
@@ -293,12 +296,14 @@ class AgentClient:
             yield event
 
     async def watch(self, path: str, *, recursive: bool = False) -> AsyncIterator[tuple[str, str]]:
-        """Changes in a directory of the guest, as (name relative to it, event), until the
-        iteration is left; the guest then stops watching."""
+        """``WATCH_STARTED``, then the changes in a directory of the guest, as (name relative
+        to it, event), until the iteration is left; the guest then stops watching."""
         request_id = self._new_id()
         try:
             async for message in self._messages(request_id, {"op": "watch", "path": path, "recursive": recursive}, None):
-                if message.get("type") == "fs_event":
+                if message.get("type") == "started":
+                    yield WATCH_STARTED
+                elif message.get("type") == "fs_event":
                     yield str(message.get("name")), str(message.get("event"))
         finally:
             if self.connected:

@@ -110,7 +110,9 @@ class Runtime(Protocol):
         """stat, list_dir, make_dir, remove, move: the agent's small file operations."""
 
     def watch(self, vm_id: str, path: str, *, recursive: bool = False) -> AsyncIterator[tuple[str, str]]:
-        """Changes in a guest directory as (name relative to it, create|write|remove|rename|chmod)."""
+        """``agent_client.WATCH_STARTED`` once the guest watches a directory (one it cannot
+        watch raises instead), then its changes as (name relative to it,
+        create|write|remove|rename|chmod)."""
 
     async def fork(self, source_id: str, new_ids: list[str], *, host: str | None = None) -> list[VMInfo]:
         """New machines continuing from one instant of a running one; they run, not yet ready.
