@@ -269,6 +269,41 @@ async def test_a_list_is_newest_first_unless_asked_and_filters_by_start_and_temp
     assert bad.status_code == 400 and bad.json()["message"].startswith("order:")
 
 
+async def test_snapshots_take_e2b_names_and_list_by_name_in_pages(plane, e2b):
+    sandbox = await new_sandbox(e2b)
+    url = f"{E2B}/sandboxes/{sandbox['sandboxID']}/snapshots"
+    # The names E2B's own tests use: "snap-" + "test_" + 8 random characters.
+    named = await e2b.post(url, json={"name": "snap-filter-test_ab12cd34"})
+    assert named.status_code == 201, named.text
+    assert named.json()["names"] == ["snap-filter-test_ab12cd34"]
+    unnamed = (await e2b.post(url, json={})).json()
+    for bad in ("team/snap", "snap:v1", "snap.x", "", "s" * 64):
+        refused = await e2b.post(url, json={"name": bad})
+        assert refused.status_code == 400 and "letters, digits, '-' or '_'" in refused.json()["message"], bad
+    # boxd's own API keeps its rule.
+    async with plane.http(plane.key_for("alice")) as boxd:
+        own = await boxd.post("/v1/snapshots", json={"machine": sandbox["sandboxID"], "name": "snap_x"})
+        assert own.status_code == 422
+
+    child = await new_sandbox(e2b, templateID=named.json()["snapshotID"])
+    assert (await e2b.get(f"{E2B}/sandboxes/{child['sandboxID']}")).json()["templateID"] == named.json()["snapshotID"]
+
+    async def listed(**params) -> tuple[list[str], str | None]:
+        answer = await e2b.get(f"{E2B}/snapshots", params=params)
+        assert answer.status_code == 200, answer.text
+        return [s["snapshotID"] for s in answer.json()], answer.headers.get("x-next-token")
+
+    assert await listed(name="snap-filter-test_ab12cd34") == ([named.json()["snapshotID"]], None)
+    assert await listed(name="snap-filter-test_ab12cd34-does-not-exist") == ([], None)
+    first, token = await listed(limit=1)
+    rest, last = await listed(limit=1, nextToken=token)
+    assert last is None and set(first + rest) == {named.json()["snapshotID"], unnamed["snapshotID"]}
+
+    deleted = await e2b.delete(f"{E2B}/templates/{unnamed['snapshotID']}")
+    assert deleted.status_code == 204
+    assert (await e2b.delete(f"{E2B}/templates/{unnamed['snapshotID']}")).status_code == 404
+
+
 # -- envd --------------------------------------------------------------------------------
 
 

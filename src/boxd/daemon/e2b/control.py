@@ -44,6 +44,13 @@ def _json(model: Any, status: int = 200) -> JSONResponse:
     return JSONResponse(model.model_dump(mode="json", by_alias=True, exclude_none=True), status_code=status)
 
 
+def _with_next_token(answer: JSONResponse, following: str | None) -> JSONResponse:
+    """E2B's pagination: the next page's token in a header, none on the last page."""
+    if following:
+        answer.headers["x-next-token"] = following
+    return answer
+
+
 @router.post("/sandboxes")
 @router.post("/v2/sandboxes")
 async def create_sandbox(body: wire.NewSandbox, account: Account, sandboxes: Sandboxes) -> Response:
@@ -79,10 +86,7 @@ async def list_sandboxes(
     query = SandboxQuery(metadata=parse_metadata_filter(metadata), states=states, started_after=started_after,
                          template=template)
     page, following = sandboxes.list(account, query, order=order, limit=limit, after=next_token)
-    answer = _json(page)
-    if following:
-        answer.headers["x-next-token"] = following
-    return answer
+    return _with_next_token(_json(page), following)
 
 
 @router.get("/sandboxes/{sandbox_id}")
@@ -147,9 +151,16 @@ async def snapshot_sandbox(
 
 @router.get("/snapshots")
 async def list_snapshots(
-    account: Account, sandboxes: Sandboxes, sandbox_id: Annotated[str | None, Query(alias="sandboxID")] = None
+    account: Account,
+    sandboxes: Sandboxes,
+    sandbox_id: Annotated[str | None, Query(alias="sandboxID")] = None,
+    name: Annotated[str | None, Query(min_length=1)] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    next_token: Annotated[str | None, Query(alias="nextToken")] = None,
 ) -> Response:
-    return _json(sandboxes.list_snapshots(account, sandbox_id))
+    page, following = sandboxes.list_snapshots(account, sandbox_id=sandbox_id, name=name, limit=limit,
+                                               after=next_token)
+    return _with_next_token(_json(page), following)
 
 
 @router.delete("/templates/{template_id}", status_code=204)

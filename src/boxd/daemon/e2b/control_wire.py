@@ -4,6 +4,7 @@ their generated ``from_dict`` requires. Names are E2B's own (``templateID``,
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Annotated, Any, Literal, Self
 
@@ -19,6 +20,18 @@ MAX_TIMEOUT_S = 30 * 24 * 3600
 MAX_FORK_COUNT = 32
 # E2B's name for every IPv4 destination: denying it alone is what an isolated machine does.
 ALL_TRAFFIC = "0.0.0.0/0"
+# E2B's snapshot name rule (trimmed and lowercased first, as E2B does), within boxd's length
+# for names; boxd has no namespaces ("team/") or tags (":tag").
+_SNAPSHOT_NAME = re.compile(r"^[a-z0-9_-]{1,63}$")
+
+
+def check_snapshot_name(name: str) -> str:
+    cleaned = name.strip().lower()
+    if not _SNAPSHOT_NAME.match(cleaned):
+        raise ValueError(
+            f"a snapshot name is 1-63 letters, digits, '-' or '_' (no namespace or tag), got {name!r}"
+        )
+    return cleaned
 
 
 class _Request(BaseModel):
@@ -169,6 +182,11 @@ class ForkSandbox(_Request):
 
 class SnapshotSandbox(_Request):
     name: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _e2b_name(cls, name: str | None) -> str | None:
+        return None if name is None else check_snapshot_name(name)
     memory: Annotated[bool, _keeps_memory("boxd snapshots always hold the sandbox's memory")] = True
 
 

@@ -16,10 +16,12 @@ import logging
 import secrets
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Literal, TypeVar
+
+from pydantic import field_validator
 
 from boxd.daemon.e2b import control_wire as wire
 from boxd.daemon.logs import event
@@ -91,6 +93,15 @@ def page_of(items: Sequence[Item], ids: Sequence[str], limit: int, after: str | 
     return list(items[start : start + limit]), following
 
 
+class _E2BSnapshotCreate(SnapshotCreate):
+    """A snapshot saved through the E2B API takes E2B's name rule, which allows '_' too."""
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_a_label(cls, name: str) -> str:  # replaces boxd's own rule (a DNS label)
+        return wire.check_snapshot_name(name)
+
+
 def parse_metadata_filter(query: str | None) -> dict[str, str]:
     """``metadata=k%3Dv%26k2%3Dv2``: the SDK url-encodes key=value pairs, each quoted."""
     if not query:
@@ -144,6 +155,14 @@ class SandboxService:
             raise Unreachable(f"The sandbox {sandbox_id} was not found: its machine is {machine.state.value} "
                               f"({machine.reason})")
         return Target(self.machines, account, machine.id, record.env)
+
+    def signer_of(self, signed_with: Callable[[str], bool], sandbox_id: str | None) -> SandboxRecord | None:
+        """The sandbox whose envd access token made a signature (``signed_with`` checks one
+        token): the one named, else any, since a signed file URL need not name its sandbox."""
+        if sandbox_id:
+            record = self._store.find_sandbox(sandbox_id)
+            return record if record is not None and signed_with(record.access_token) else None
+        return next((record for record, _ in self._store.live_sandboxes() if signed_with(record.access_token)), None)
 
     def _answer(self, record: SandboxRecord) -> wire.Sandbox:
         return wire.Sandbox(template_id=record.template, sandbox_id=record.machine,
@@ -308,7 +327,7 @@ class SandboxService:
     async def snapshot(self, account: str, sandbox_id: str, name: str | None) -> wire.SnapshotInfo:
         """Save a boxd snapshot of the sandbox and answer once it is usable as a templateID."""
         self._find(account, sandbox_id)
-        saving = await self._snapshots.save(account, SnapshotCreate(machine=sandbox_id, name=name or _new_name()))
+        saving = await self._snapshots.save(account, _E2BSnapshotCreate(machine=sandbox_id, name=name or _new_name()))
         while saving.state is SnapshotState.SAVING:
             await asyncio.sleep(SNAPSHOT_POLL_S)
             saving = self._snapshots.get(account, saving.ref)
@@ -317,12 +336,17 @@ class SandboxService:
         event(log, "e2b.snapshot_created", machine=sandbox_id, snapshot=saving.ref)
         return wire.SnapshotInfo(snapshot_id=saving.ref, names=[saving.name])
 
-    def list_snapshots(self, account: str, sandbox_id: str | None) -> list[wire.SnapshotInfo]:
-        return [
-            wire.SnapshotInfo(snapshot_id=snapshot.ref, names=[snapshot.name])
-            for snapshot in self._snapshots.list(account)
-            if snapshot.state is SnapshotState.READY and (sandbox_id is None or snapshot.machine == sandbox_id)
+    def list_snapshots(
+        self, account: str, *, sandbox_id: str | None, name: str | None, limit: int, after: str | None
+    ) -> tuple[list[wire.SnapshotInfo], str | None]:
+        """One page of the ready snapshots, of one sandbox or of one name if asked."""
+        found = [
+            snapshot for snapshot in self._snapshots.list(account)
+            if snapshot.state is SnapshotState.READY and sandbox_id in (None, snapshot.machine)
+            and (name is None or snapshot.name == name.strip().lower())
         ]
+        infos = [wire.SnapshotInfo(snapshot_id=snapshot.ref, names=[snapshot.name]) for snapshot in found]
+        return page_of(infos, [snapshot.ref for snapshot in found], limit, after)
 
     async def delete_snapshot(self, account: str, ref: str) -> None:
         await self._snapshots.delete(account, ref)
