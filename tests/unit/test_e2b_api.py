@@ -12,7 +12,7 @@ import urllib.parse
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from fakes import ControlPlane
+from fakes import ControlPlane, FakeRuntime
 
 from boxd.daemon.e2b import envd_wire as wire
 from boxd.daemon.e2b.connect import END_STREAM, ConnectError, envelope, parse_message
@@ -302,6 +302,37 @@ async def test_snapshots_take_e2b_names_and_list_by_name_in_pages(plane, e2b):
     deleted = await e2b.delete(f"{E2B}/templates/{unnamed['snapshotID']}")
     assert deleted.status_code == 204
     assert (await e2b.delete(f"{E2B}/templates/{unnamed['snapshotID']}")).status_code == 404
+
+
+async def test_a_sandboxs_time_runs_from_when_it_is_up_and_a_timeout_of_0_ends_it_now(tmp_path):
+    plane = ControlPlane(tmp_path, FakeRuntime(ready_after=1.5))  # a boot longer than its time
+    try:
+        async with plane.http() as e2b:
+            e2b.headers["X-API-KEY"] = plane.key_for("alice")
+            brief = await new_sandbox(e2b, timeout=1)
+            await sandboxes_of(plane).enforce_expiry()
+            assert (await e2b.get(f"{E2B}/sandboxes/{brief['sandboxID']}")).json()["state"] == "running"
+            await asyncio.sleep(1.1)
+            await sandboxes_of(plane).enforce_expiry()
+            assert (await e2b.get(f"{E2B}/sandboxes/{brief['sandboxID']}")).status_code == 404
+
+            # 0 is "now" in E2B, not "never": killed, or paused if it asked, before the answer.
+            doomed = await new_sandbox(e2b)
+            keeper = await new_sandbox(e2b, autoPause=True)
+            for sandbox in (doomed, keeper):
+                url = f"{E2B}/sandboxes/{sandbox['sandboxID']}"
+                assert (await e2b.post(f"{url}/timeout", json={"timeout": 0})).status_code == 204
+            assert (await e2b.get(f"{E2B}/sandboxes/{doomed['sandboxID']}")).status_code == 404
+            assert (await e2b.get(f"{E2B}/sandboxes/{keeper['sandboxID']}")).json()["state"] == "paused"
+            # A paused sandbox's time starts again when it is resumed.
+            paused = await e2b.post(f"{E2B}/sandboxes/{keeper['sandboxID']}/timeout", json={"timeout": 60})
+            assert paused.status_code == 409
+            # Where a sandbox starts, E2B refuses no time at all.
+            for url in (f"{E2B}/v2/sandboxes", f"{E2B}/sandboxes/{keeper['sandboxID']}/resume"):
+                refused = await e2b.post(url, json={"templateID": "base", "timeout": 0})
+                assert refused.status_code == 400 and refused.json()["message"].startswith("timeout:"), url
+    finally:
+        await plane.close()
 
 
 # -- envd --------------------------------------------------------------------------------

@@ -101,7 +101,7 @@ async def kill_sandbox(sandbox_id: str, account: Account, sandboxes: Sandboxes) 
 
 @router.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
 async def set_timeout(sandbox_id: str, body: wire.Timeout, account: Account, sandboxes: Sandboxes) -> None:
-    sandboxes.set_timeout(account, sandbox_id, body.timeout)
+    await sandboxes.set_timeout(account, sandbox_id, body.timeout)
 
 
 @router.post("/sandboxes/{sandbox_id}/refreshes", status_code=204)

@@ -126,7 +126,8 @@ class _Answer(BaseModel):
 
 class NewSandbox(_Request):
     template_id: str = Field(alias="templateID", min_length=1)
-    timeout: int = Field(default=DEFAULT_TIMEOUT_S, ge=0, le=MAX_TIMEOUT_S)
+    # As in E2B: a sandbox that starts needs some time (its SDKs send their default for 0).
+    timeout: int = Field(default=DEFAULT_TIMEOUT_S, ge=1, le=MAX_TIMEOUT_S)
     auto_pause: bool = Field(default=False, alias="autoPause")
     auto_pause_memory: Annotated[bool, _NO_MEMORYLESS_PAUSE] = Field(default=True, alias="autoPauseMemory")
     auto_resume: AutoResume | None = Field(default=None, alias="autoResume")
@@ -150,7 +151,7 @@ class NewSandbox(_Request):
 
 
 class Timeout(_Request):
-    timeout: int = Field(ge=0, le=MAX_TIMEOUT_S)
+    timeout: int = Field(le=MAX_TIMEOUT_S)  # 0 or less: now, as in E2B
 
 
 class Refresh(_Request):
@@ -166,6 +167,7 @@ class ConnectSandbox(_Request):
 
 
 class ResumeSandbox(ConnectSandbox):
+    timeout: int = Field(default=DEFAULT_TIMEOUT_S, ge=1, le=MAX_TIMEOUT_S)
     auto_pause: bool | None = Field(default=None, alias="autoPause")  # None: as the sandbox had it
 
 
@@ -176,7 +178,7 @@ class PauseSandbox(_Request):
 
 
 class ForkSandbox(_Request):
-    timeout: int = Field(default=DEFAULT_TIMEOUT_S, ge=0, le=MAX_TIMEOUT_S)
+    timeout: int = Field(default=DEFAULT_TIMEOUT_S, ge=1, le=MAX_TIMEOUT_S)
     count: int = Field(default=1, ge=1, le=MAX_FORK_COUNT)
 
 

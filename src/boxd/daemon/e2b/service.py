@@ -206,12 +206,19 @@ class SandboxService:
         ))
         record = SandboxRecord(
             machine=machine.id, template=request.template_id, metadata=request.metadata, env=request.env_vars,
-            access_token=secrets.token_urlsafe(32), expires_at=_expiry(request.timeout), auto_pause=request.auto_pause,
+            access_token=secrets.token_urlsafe(32), expires_at=self._booting_expiry(request.timeout),
+            auto_pause=request.auto_pause,
         )
-        return await self._ready(account, machine, record)
+        return await self._ready(account, machine, record, request.timeout)
 
-    async def _ready(self, account: str, machine: Machine, record: SandboxRecord) -> wire.Sandbox:
-        """Record a new sandbox and wait for its machine; one that never comes up is deleted."""
+    def _booting_expiry(self, timeout_s: int) -> float:
+        """A sandbox's time runs from when it is up (as in E2B, where that is at once); this
+        bound only holds while it boots, should the daemon stop meanwhile."""
+        return time.time() + self.machines.limits.ready_timeout_s + timeout_s
+
+    async def _ready(self, account: str, machine: Machine, record: SandboxRecord, timeout_s: int) -> wire.Sandbox:
+        """Record a new sandbox and wait for its machine, whose ``timeout_s`` then starts;
+        one that never comes up is deleted."""
         self._store.add_sandbox(record)
         try:
             await self.machines.wait_ready(account, machine.id, self.machines.limits.ready_timeout_s)
@@ -219,6 +226,7 @@ class SandboxService:
             with contextlib.suppress(BoxdError):
                 await self.machines.delete(account, machine.id)
             raise
+        self._store.set_sandbox_expiry(machine.id, time.time() + timeout_s)
         event(log, "e2b.sandbox_created", machine=machine.id, template=record.template)
         return self._answer(record)
 
@@ -234,9 +242,10 @@ class SandboxService:
             raise InvalidInput("memory: boxd cannot drop a paused sandbox's memory when resuming it", field="memory")
         await self.machines.resume(account, sandbox_id)
         await self.machines.wait_ready(account, sandbox_id, self.machines.limits.ready_timeout_s)
-        expires = _expiry(timeout)
-        # A paused sandbox had no expiry; a running one without one never expires.
-        if was_paused or (record.expires_at is not None and (expires is None or expires > record.expires_at)):
+        expires = time.time() + timeout
+        # A paused sandbox had no expiry; a running one without one (made before timeouts
+        # of 0 meant "now") never expires.
+        if was_paused or (record.expires_at is not None and expires > record.expires_at):
             self._store.set_sandbox_expiry(sandbox_id, expires)
         return self._answer(record), was_paused
 
@@ -279,9 +288,17 @@ class SandboxService:
         record, machine = self._find(account, sandbox_id)
         return self._detail(record, machine, with_token=True)
 
-    def set_timeout(self, account: str, sandbox_id: str, timeout: int) -> None:
-        self._find(account, sandbox_id)
-        self._store.set_sandbox_expiry(sandbox_id, _expiry(timeout))
+    async def set_timeout(self, account: str, sandbox_id: str, timeout: int) -> None:
+        """The sandbox's time now ends in ``timeout`` s, sooner or later than it did; 0 or
+        less ends it now, as in E2B: it is killed, or paused if it asked for that."""
+        record, machine = self._find(account, sandbox_id)
+        if machine.state in _PAUSED:
+            raise Conflict(f"sandbox {sandbox_id} is paused: its time starts again when it is resumed",
+                           field="sandboxID")
+        if timeout <= 0:
+            await self._time_is_up(account, record, machine)
+        else:
+            self._store.set_sandbox_expiry(sandbox_id, time.time() + timeout)
 
     def list(
         self, account: str, query: SandboxQuery, *, order: Literal["asc", "desc"] = "desc", limit: int,
@@ -312,11 +329,11 @@ class SandboxService:
                 raise child
             copy = SandboxRecord(
                 machine=child.id, template=record.template, metadata=record.metadata, env=record.env,
-                access_token=secrets.token_urlsafe(32), expires_at=_expiry(request.timeout),
+                access_token=secrets.token_urlsafe(32), expires_at=self._booting_expiry(request.timeout),
                 auto_pause=record.auto_pause,
             )
             try:
-                return wire.ForkResult(sandbox=await self._ready(account, child, copy))
+                return wire.ForkResult(sandbox=await self._ready(account, child, copy, request.timeout))
             except BoxdError as error:
                 return wire.ForkResult(error={"code": error.status, "message": error.message})
 
@@ -370,24 +387,23 @@ class SandboxService:
     async def enforce_expiry(self) -> None:
         """One pass: kill (or pause, if it asked) every sandbox whose time ran out."""
         for record, machine in self._store.expired_sandboxes(time.time()):
-            account = self._store.account_of(machine.id)
             try:
-                if record.auto_pause and machine.state not in _GONE:
-                    if machine.state not in _PAUSED:
-                        await self.machines.hibernate(account, machine.id)
-                    self._store.set_sandbox_expiry(machine.id, None)
-                else:
-                    await self.machines.delete(account, machine.id)
+                await self._time_is_up(self._store.account_of(machine.id), record, machine)
             except BoxdError as error:
                 event(log, "e2b.expiry_failed", level=logging.WARNING, machine=machine.id, reason=error.message)
-                continue
-            event(log, "e2b.sandbox_expired", machine=machine.id, paused=record.auto_pause)
+
+    async def _time_is_up(self, account: str, record: SandboxRecord, machine: Machine) -> None:
+        """Kill the sandbox, or pause it if it asked (then it has no expiry until resumed)."""
+        pausing = record.auto_pause and machine.state not in _GONE
+        if pausing:
+            if machine.state not in _PAUSED:
+                await self.machines.hibernate(account, machine.id)
+            self._store.set_sandbox_expiry(machine.id, None)
+        else:
+            await self.machines.delete(account, machine.id)
+        event(log, "e2b.sandbox_expired", machine=machine.id, paused=pausing)
 
 
 def _new_name() -> str:
     return f"e2b-{secrets.token_hex(4)}"
 
-
-def _expiry(timeout_s: int) -> float | None:
-    """When a sandbox given ``timeout_s`` expires; 0 means never (as in E2B's self-hosting)."""
-    return time.time() + timeout_s if timeout_s > 0 else None
