@@ -8,6 +8,7 @@ import asyncio
 import os
 import pwd
 import stat
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,9 @@ import pytest
 from fakes import ControlPlane, FakeRuntime
 
 from boxd.daemon.e2b import envd_wire as wire
+from boxd.daemon.e2b import signing
 from boxd.guest.agent import Agent, Channel
+from boxd.runtime.agent_client import WATCH_STARTED
 
 pytestmark = pytest.mark.anyio
 
@@ -162,6 +165,7 @@ class GuestOnHost(FakeRuntime):
         return answer
 
     async def watch(self, vm_id: str, path: str, *, recursive: bool = False) -> AsyncIterator[tuple[str, str]]:
+        yield WATCH_STARTED
         while True:
             yield await self.changes.get()
 
@@ -228,3 +232,49 @@ async def test_watch_events_carry_the_entry_when_asked_and_it_still_exists(guest
     assert write["type"] == "EVENT_TYPE_WRITE" and write["entry"]["path"] == "/home/user/w/f.txt"
     assert write["entry"]["name"] == "f.txt" and write["entry"]["type"] == "FILE_TYPE_FILE"
     assert "entry" not in remove and "entry" not in rename
+
+
+# -- signed file URLs ---------------------------------------------------------------------
+
+
+def test_a_signature_is_made_as_the_sdks_make_it():
+    # What e2b 2.45's get_signature("/home/user/a b.txt", "read", "user", "tok") gives.
+    assert signing.file_signature("/home/user/a b.txt", "read", "user", "tok", None) == \
+        "v1_PDhK3P0/VVi45RSAUklPxX4trWseAV9dTwwq5slGI3g"
+
+
+def signed_query(sandbox: dict, path: str, operation: str, expiration: int | None = None) -> dict:
+    query = {"path": path, "username": "user",
+             "signature": signing.file_signature(path, operation, "user", sandbox["envdAccessToken"], expiration)}
+    if expiration is not None:
+        query["signature_expiration"] = str(expiration)
+    return query
+
+
+async def test_signed_urls_at_the_daemons_root_find_their_sandbox_by_its_signature(plane):
+    async with plane.http() as client:
+        client.headers["X-API-KEY"] = plane.key_for("alice")
+        others = [(await client.post(f"{E2B}/v2/sandboxes", json={"templateID": "base"})).json() for _ in range(2)]
+        sandbox = others.pop()
+        del client.headers["X-API-KEY"]  # what urllib sends: the URL alone
+
+        upload = await client.post("/files", params=signed_query(sandbox, "s.txt", signing.WRITE),
+                                   files=[("file", ("s.txt", b"signed"))])
+        assert upload.status_code == 200, upload.text
+        assert upload.json() == [{"name": "s.txt", "type": "file", "path": "/home/user/s.txt"}]
+        download = await client.get("/files", params=signed_query(sandbox, "s.txt", signing.READ))
+        assert download.status_code == 200 and download.content == b"signed"
+        lasting = await client.get("/files", params=signed_query(sandbox, "s.txt", signing.READ, int(time.time()) + 60))
+        assert lasting.status_code == 200 and lasting.content == b"signed"
+
+        expired = await client.get("/files", params=signed_query(sandbox, "s.txt", signing.READ, int(time.time()) - 120))
+        assert expired.status_code == 401
+        assert expired.json() == {"code": 401, "message": "signature is already expired"}
+        for refused in (
+            await client.post("/files", params=signed_query(sandbox, "s.txt", signing.READ), content=b"x",
+                              headers={"content-type": "application/octet-stream"}),  # a read signature
+            await client.get("/files", params={**signed_query(sandbox, "s.txt", signing.READ), "path": "t.txt"}),
+            await client.get(f"{E2B}/files", params=signed_query(sandbox, "s.txt", signing.READ),
+                             headers={"E2b-Sandbox-Id": others[0]["sandboxID"]}),  # not that sandbox's
+        ):
+            assert refused.status_code == 401 and refused.json() == {"code": 401, "message": "invalid signature"}

@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from boxd import __version__
 from boxd.daemon.auth import Keys
-from boxd.daemon.e2b.app import create_e2b_app
+from boxd.daemon.e2b.app import FileURLsAtRoot, create_e2b_app
 from boxd.daemon.e2b.envd import Watchers
 from boxd.daemon.e2b.service import SandboxService
 from boxd.daemon.logs import event
@@ -146,6 +146,8 @@ def create_app(*, store: Store, keys: Keys, machines: MachineService, local_sock
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)
+    # Inside MachineURLs: a machine's own /files (at its URL) is the machine's.
+    app.add_middleware(FileURLsAtRoot, prefix=E2B_PREFIX)
     app.add_middleware(MachineURLs, store=store, keys=keys, machines=machines, client=url_client)
     app.add_middleware(RequestLog)
     return app

@@ -507,6 +507,13 @@ class Store:
         with self._transaction() as db:
             db.execute("UPDATE e2b_sandboxes SET auto_pause = ? WHERE machine = ?", (int(auto_pause), machine_id))
 
+    def live_sandboxes(self) -> list[tuple[SandboxRecord, Machine]]:
+        """Every account's sandboxes whose machine is not deleted."""
+        rows = self._read(
+            "SELECT s.*, m.* FROM e2b_sandboxes s JOIN machines m ON m.id = s.machine WHERE m.deleted_at IS NULL"
+        )
+        return [(_sandbox(row), self._machine(row)) for row in rows]
+
     def expired_sandboxes(self, now: float) -> list[tuple[SandboxRecord, Machine]]:
         """Sandboxes past their time whose machine is not deleted (one paused through the
         E2B API has no expiry until it is resumed; one boxd put to sleep when idle has)."""

@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from boxd.daemon.auth import Keys
 from boxd.daemon.e2b import control, envd
@@ -68,6 +69,21 @@ async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
 async def _unexpected_error(request: Request, error: Exception) -> JSONResponse:
     log.exception("unexpected error on %s %s", request.method, request.url.path)
     return _answer(request, 500, "internal", f"internal error: {type(error).__name__}")
+
+
+class FileURLsAtRoot:
+    """The SDKs build file URLs (``download_url``, ``upload_url``) as
+    ``urljoin(E2B_SANDBOX_URL, "/files")``, which drops E2B_SANDBOX_URL's own path: so the
+    daemon's ``/files`` is envd's, as ``<prefix>/files`` is."""
+
+    def __init__(self, app: ASGIApp, prefix: str) -> None:
+        self.app = app
+        self.path = f"{prefix}/files"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] == "/files":
+            scope = {**scope, "path": self.path, "raw_path": self.path.encode()}
+        await self.app(scope, receive, send)
 
 
 def create_e2b_app(*, keys: Keys, sandboxes: SandboxService, watchers: envd.Watchers) -> FastAPI:

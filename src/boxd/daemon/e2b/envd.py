@@ -22,9 +22,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import UploadFile
 
 from boxd.daemon.e2b import envd_wire as wire
+from boxd.daemon.e2b import signing
 from boxd.daemon.e2b.connect import ConnectError, Message, parse_message, read_envelopes, server_stream, unary
 from boxd.daemon.e2b.service import SandboxService, Target
-from boxd.errors import BoxdError, InvalidInput, NotFound, Unreachable
+from boxd.errors import AuthError, BoxdError, InvalidInput, NotFound, Unreachable
 from boxd.models import MachineState
 from boxd.runtime.agent_client import ExecEvent
 from boxd.runtime.interface import ExecRequest
@@ -56,6 +57,32 @@ async def _target(request: Request) -> Target:
     return await _service(request).envd_target(
         request.headers.get("e2b-sandbox-id"), request.headers.get("x-access-token")
     )
+
+
+async def _file_target(request: Request, operation: str) -> Target:
+    """``/files`` also takes a signature made with the sandbox's token in place of the token
+    (the SDKs' download_url and upload_url). Such a URL may name no sandbox: the one whose
+    token made the signature is it."""
+    signature = request.query_params.get("signature")
+    if signature is None or request.headers.get("x-access-token"):
+        return await _target(request)
+    expiration = request.query_params.get("signature_expiration")
+    try:
+        expires_at = None if expiration is None else int(expiration)
+    except ValueError:
+        raise InvalidInput("signature_expiration: not a Unix time in seconds", field="signature_expiration") from None
+
+    def signed_with(token: str) -> bool:
+        return signing.signed_with(token, signature, path=request.query_params.get("path", ""), operation=operation,
+                                   username=request.query_params.get("username", ""), expiration=expires_at)
+
+    record = _service(request).signer_of(signed_with, request.headers.get("e2b-sandbox-id"))
+    # envd's own words, which the SDKs' tests read.
+    if record is None:
+        raise AuthError("invalid signature")
+    if signing.expired(expires_at):
+        raise AuthError("signature is already expired")
+    return await _service(request).envd_target(record.machine, record.access_token)
 
 
 def _timeout_of(request: Request) -> float | None:
@@ -437,7 +464,7 @@ async def _spooled(upload: UploadFile) -> AsyncIterator[bytes]:
 async def upload_files(request: Request, path: str | None = None) -> Response:
     """One file as the body (``application/octet-stream``, ``path`` in the query), or a
     multipart form of ``file`` parts each named by its path."""
-    target, user = await _target(request), user_of(request)
+    target, user = await _file_target(request, signing.WRITE), user_of(request)
     machines = target.machines
     metadata = _metadata_of(request)  # refused before anything is written
     if request.headers.get("content-type", "").startswith("multipart/form-data"):
@@ -464,7 +491,7 @@ async def upload_files(request: Request, path: str | None = None) -> Response:
 
 @router.get("/files")
 async def download_file(request: Request, path: str) -> Response:
-    target, user = await _target(request), user_of(request)
+    target, user = await _file_target(request, signing.READ), user_of(request)
     chunks = target.machines.read_file(target.account, target.machine, _absolute(path, user))
     # The first chunk comes before the answer: a missing file is a 404, not a cut stream.
     try:
