@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import struct
 import urllib.parse
 from datetime import UTC, datetime, timedelta
@@ -333,6 +334,24 @@ async def test_a_sandboxs_time_runs_from_when_it_is_up_and_a_timeout_of_0_ends_i
                 assert refused.status_code == 400 and refused.json()["message"].startswith("timeout:"), url
     finally:
         await plane.close()
+
+
+async def test_a_key_works_spelled_as_e2b_sdks_2_25_to_2_45_demand_and_only_on_the_e2b_api(plane):
+    key = plane.key_for("alice")
+    e2b_key = "e2b_" + key.removeprefix("boxd_")
+    assert re.fullmatch(r"e2b_[0-9a-f]+", e2b_key)  # what those SDKs check before sending it
+    async with plane.http() as client:
+        client.headers["X-API-KEY"] = e2b_key
+        sandbox = await new_sandbox(client)
+        listed = await client.get(f"{E2B}/v2/sandboxes")
+        assert [s["sandboxID"] for s in listed.json()] == [sandbox["sandboxID"]]
+        forged = e2b_key[:-1] + ("1" if e2b_key.endswith("0") else "0")  # its id right, its secret not
+        assert (await client.get(f"{E2B}/v2/sandboxes", headers={"X-API-KEY": forged})).status_code == 401
+        wrong = await client.get(f"{E2B}/v2/sandboxes", headers={"X-API-KEY": "e2b_" + "0" * 48})
+        assert wrong.status_code == 401 and wrong.json()["code"] == 401
+    # boxd's own API keeps its own spelling.
+    async with plane.http(e2b_key) as boxd:
+        assert (await boxd.get("/v1/machines")).status_code == 401
 
 
 # -- envd --------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 A key is ``boxd_`` + 48 hex digits. Its first 12 digits are its id (the lookup column,
 shown by ``boxd keys list``); only the SHA-256 of the whole key is stored, so a leaked
-database does not leak keys.
+database does not leak keys. The E2B API also takes a key spelled ``e2b_`` + the same hex
+digits: e2b 2.25 to 2.45 refuse, before sending, any key that is not "e2b_" + hex.
 """
 
 from __future__ import annotations
@@ -19,12 +20,18 @@ from boxd.errors import AuthError
 from boxd.models import CreatedKey
 
 KEY_PREFIX = "boxd_"
+E2B_KEY_PREFIX = "e2b_"
 _KEY = re.compile(r"^boxd_([0-9a-f]{12})[0-9a-f]{36}$")
 LOCAL_ACCOUNT = "local"
 
 
 def _sha256(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+def boxd_spelling(key: str) -> str:
+    """A key as boxd stores it, whichever of its two spellings it came in."""
+    return KEY_PREFIX + key.removeprefix(E2B_KEY_PREFIX) if key.startswith(E2B_KEY_PREFIX) else key
 
 
 class Keys:

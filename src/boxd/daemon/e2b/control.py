@@ -1,15 +1,15 @@
 """The E2B control plane: sandboxes (v1 and v2 paths) and snapshots, keyed by ``X-API-KEY``
-(a boxd API key)."""
+(a boxd API key, as ``boxd_<hex>`` or as ``e2b_<hex>``, the spelling E2B's SDKs accept)."""
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
 
-from boxd.daemon.auth import KEY_PREFIX, Keys
+from boxd.daemon.auth import E2B_KEY_PREFIX, KEY_PREFIX, Keys, boxd_spelling
 from boxd.daemon.e2b import control_wire as wire
 from boxd.daemon.e2b.service import SandboxQuery, SandboxService, parse_metadata_filter
 from boxd.errors import AuthError, InvalidInput, Unsupported
@@ -19,10 +19,11 @@ router = APIRouter()
 
 def _account(request: Request) -> str:
     keys: Keys = request.app.state.keys
-    key = (request.headers.get("x-api-key") or "").strip()
+    key = boxd_spelling((request.headers.get("x-api-key") or "").strip())
     if key:
         if not key.startswith(KEY_PREFIX):
-            raise AuthError(f"X-API-KEY: not a boxd API key ({KEY_PREFIX}...); set E2B_API_KEY to one")
+            raise AuthError(f"X-API-KEY: not a boxd API key ({KEY_PREFIX}... or {E2B_KEY_PREFIX}... with the same "
+                            "digits); set E2B_API_KEY to one")
         return keys.account_of(f"Bearer {key}")
     if request.headers.get("authorization"):
         return keys.account_of(request.headers["authorization"])
@@ -170,6 +171,28 @@ async def delete_snapshot(template_id: str, account: Account, sandboxes: Sandbox
 
 
 @router.get("/sandboxes/{sandbox_id}/metrics")
+async def sandbox_metrics(
+    sandbox_id: str,
+    request: Request,
+    account: Account,
+    sandboxes: Sandboxes,
+    start: Annotated[int | None, Query(ge=0)] = None,
+    end: Annotated[int | None, Query(ge=0)] = None,
+) -> Response:
+    """The sandbox's samples from ``start`` through ``end`` (Unix seconds), oldest first."""
+    sandboxes.info(account, sandbox_id)  # another account's, or a killed one, is not found
+    samples = request.app.state.metrics.series(sandbox_id, start=start, end=end)
+    return _json([
+        wire.SandboxMetric(
+            timestamp=datetime.fromtimestamp(int(sample.timestamp), tz=UTC), timestamp_unix=int(sample.timestamp),
+            cpu_count=sample.cpu_count, cpu_used_pct=sample.cpu_used_pct, mem_used=sample.mem_used,
+            mem_total=sample.mem_total, mem_cache=sample.mem_cache, disk_used=sample.disk_used,
+            disk_total=sample.disk_total,
+        )
+        for sample in samples
+    ])
+
+
 @router.put("/sandboxes/{sandbox_id}/network")
 @router.get("/sandboxes/{sandbox_id}/logs")
 @router.get("/v2/sandboxes/{sandbox_id}/logs")
