@@ -208,7 +208,14 @@ async def _checkpoint(client, name):
     assert response.status_code == 201, response.text
 
 
-@pytest.mark.parametrize("use", [_exec, _upload, _download, _fork, _checkpoint], ids=lambda use: use.__name__[1:])
+async def _wait(client, name):
+    # Waiting for a machine to be ready is a use too: it never answers "paused".
+    response = await client.post(f"/v1/machines/{name}/wait")
+    assert response.status_code == 200 and response.json()["state"] == "running", response.text
+
+
+@pytest.mark.parametrize("use", [_exec, _upload, _download, _fork, _checkpoint, _wait],
+                         ids=lambda use: use.__name__[1:])
 @pytest.mark.parametrize("step", ["suspend", "hibernate"])
 async def test_a_use_wakes_a_suspended_or_hibernated_machine(plane, alice, step, use):
     machine = await ready_machine(alice, "sleeper")

@@ -302,6 +302,8 @@ class MachineService:
             self._fail(machine_id, reason_of(error))
             return
         if self._store.update_machine(machine_id, state=MachineState.RUNNING, only_from=MachineState.STARTING):
+            # Idle from now on, not from the request: a first boot may wait minutes for the image.
+            self.activity.touch(machine_id)
             event(log, "machine.ready", machine=machine_id, boot_s=round(time.monotonic() - started, 2))
             await self._hand_key(machine_id)
 
@@ -389,14 +391,15 @@ class MachineService:
             )
         return machine
 
-    async def usable(self, account: str, ref: str) -> Machine:
+    async def usable(self, account: str, ref: str, timeout: float | None = None) -> Machine:
         """A running machine to work in: woken if it is suspended or hibernated (or
-        being put to sleep right now), waited for if it is still starting."""
+        being put to sleep right now), waited for if it is still starting (up to
+        ``timeout``, by default the daemon's readiness deadline)."""
         machine = self._store.find_machine(account, ref)
         self.activity.touch(machine.id)
         async with self._power_lock(machine.id):
             await self._wake(self._store.find_machine(account, machine.id))
-        machine = await self.wait_ready(account, machine.id, self.limits.ready_timeout_s)
+        machine = await self.wait_ready(account, machine.id, timeout or self.limits.ready_timeout_s)
         self.activity.touch(machine.id)
         return machine
 
@@ -418,14 +421,16 @@ class MachineService:
                 await self._sleep(self._store.find_machine(account, machine.id), MachineState.PAUSED)
         return self._store.find_machine(account, machine.id)
 
-    async def hibernate(self, account: str, ref: str) -> Machine:
+    async def hibernate(self, account: str, ref: str, *, keep_memory: bool = True) -> Machine:
         """Save a machine's whole state to disk and end its process; it stops counting
-        against the quota, and any use wakes it (if the quota allows)."""
+        against the quota, and any use wakes it (if the quota allows). Without
+        ``keep_memory`` only its disk is kept: it wakes by booting, its processes gone."""
         machine = self._store.find_machine(account, ref)
         if machine.state not in (MachineState.RUNNING, MachineState.PAUSED, MachineState.STOPPED):
             machine = await self.wait_ready(account, ref, self.limits.ready_timeout_s)
         async with self._power_lock(machine.id):
-            await self._sleep(self._store.find_machine(account, machine.id), MachineState.STOPPED)
+            await self._sleep(self._store.find_machine(account, machine.id), MachineState.STOPPED,
+                              keep_memory=keep_memory)
         return self._store.find_machine(account, machine.id)
 
     async def resume(self, account: str, ref: str) -> Machine:
@@ -436,7 +441,7 @@ class MachineService:
         self.activity.touch(machine.id)
         return self._store.find_machine(account, machine.id)
 
-    async def _sleep(self, machine: Machine, state: MachineState) -> None:
+    async def _sleep(self, machine: Machine, state: MachineState, *, keep_memory: bool = True) -> None:
         """Suspend (PAUSED) or hibernate (STOPPED) a machine; the caller holds its power lock."""
         if machine.state is state:
             return
@@ -445,7 +450,7 @@ class MachineService:
             if state is MachineState.PAUSED:
                 await self.runtime.suspend(machine.id)
             else:
-                await self.runtime.hibernate(machine.id)
+                await self.runtime.hibernate(machine.id, keep_memory=keep_memory)
             self._store.update_machine(machine.id, state=state)
         event(log, "machine.suspended" if state is MachineState.PAUSED else "machine.hibernated",
               machine=machine.id, seconds=round(time.monotonic() - started, 3))

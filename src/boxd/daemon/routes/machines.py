@@ -135,8 +135,9 @@ async def wait_machine(
     machines: Machines,
     timeout: Annotated[float, Query(gt=0, le=3600)] = 60,
 ) -> Machine:
-    """Return once the machine runs: 504 if it still starts after ``timeout`` s, 409 if it failed."""
-    return await machines.wait_ready(account, ref, timeout)
+    """Return once the machine runs (waking it, as any use does): 504 if it still starts
+    after ``timeout`` s, 409 if it failed."""
+    return await machines.usable(account, ref, timeout)
 
 
 @router.post("/{ref}/exec")
