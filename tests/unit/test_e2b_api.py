@@ -18,7 +18,8 @@ from fakes import ControlPlane, FakeRuntime
 from boxd.daemon.e2b import envd_wire as wire
 from boxd.daemon.e2b.connect import END_STREAM, ConnectError, envelope, parse_message
 from boxd.daemon.e2b.service import parse_metadata_filter
-from boxd.runtime.agent_client import ExecEvent
+from boxd.errors import InvalidInput, NotFound
+from boxd.runtime.agent_client import WATCH_STARTED, ExecEvent
 
 pytestmark = pytest.mark.anyio
 
@@ -389,6 +390,45 @@ async def test_a_relative_cwd_is_resolved_against_the_users_home(plane, e2b, mon
                                  headers={**envd_headers(sandbox), **user, "content-type": "application/connect+json"})
         assert started.status_code == 200
     assert cwds == ["/home/user/proj/x", "/home/user/proj", "/root/proj", "/srv", None]
+
+
+async def test_a_watch_starts_once_the_guest_watches_and_a_folder_it_cannot_watch_is_the_answer(
+    plane, e2b, monkeypatch
+):
+    sandbox = await new_sandbox(e2b)
+    refusals = {"/home/user/nowhere": NotFound("path: not a directory", field="path"),
+                "/home/user/a-file": InvalidInput("path: not a directory", field="path")}
+
+    async def watch(vm_id, path, *, recursive=False):
+        if path in refusals:  # as the agent refuses it, before it says the watch started
+            raise refusals[path]
+        yield WATCH_STARTED
+        yield "a.txt", "create"
+
+    monkeypatch.setattr(plane.runtime, "watch", watch)
+    headers = {**envd_headers(sandbox), "content-type": "application/connect+json"}
+    rpc = f"{E2B}/filesystem.Filesystem"
+    missing = await e2b.post(f"{rpc}/WatchDir", content=envelope({"path": "nowhere"}), headers=headers)
+    assert missing.status_code == 404 and missing.json()["code"] == "not_found"
+    a_file = await e2b.post(f"{rpc}/WatchDir", content=envelope({"path": "a-file"}), headers=headers)
+    assert a_file.status_code == 400 and a_file.json()["code"] == "invalid_argument"
+    watched = await e2b.post(f"{rpc}/WatchDir", content=envelope({"path": "watched"}), headers=headers)
+    messages = [message for _, message in frames(watched.content)]
+    assert messages[0] == {"start": {}} and messages[1]["filesystem"]["name"] == "a.txt"
+    assert messages[-1] == {}
+
+    # The sync API's CreateWatcher, likewise.
+    unary = {**envd_headers(sandbox), "content-type": "application/json"}
+    refused = await e2b.post(f"{rpc}/CreateWatcher", json={"path": "nowhere"}, headers=unary)
+    assert refused.status_code == 404 and refused.json()["code"] == "not_found"
+    created = await e2b.post(f"{rpc}/CreateWatcher", json={"path": "watched"}, headers=unary)
+    watcher = created.json()["watcherId"]
+    for _ in range(100):
+        drained = (await e2b.post(f"{rpc}/GetWatcherEvents", json={"watcherId": watcher}, headers=unary)).json()
+        if drained.get("events"):
+            break
+        await asyncio.sleep(0.01)
+    assert [event["name"] for event in drained["events"]] == ["a.txt"]
 
 
 async def test_envd_calls_need_the_sandboxs_own_token_and_find_it_by_token_alone(plane, e2b):
