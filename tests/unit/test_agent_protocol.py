@@ -216,6 +216,32 @@ def test_remove_takes_files_and_trees_and_a_missing_path_is_removed_already(agen
     assert not tree.exists() and not single.exists()
 
 
+def test_a_watch_sees_an_upload_land_as_an_in_place_write_and_never_its_part_file(agent_socket, tmp_path):
+    async def scenario():
+        client = AgentClient(agent_socket.path, name="t")
+        await client.connect(5)
+        changes = client.watch(str(tmp_path))
+        assert await anext(changes) == WATCH_STARTED
+
+        async def one_chunk(data: bytes):
+            yield data
+
+        seen = []
+        for content in (b"new", b"overwritten"):
+            await client.write_file(str(tmp_path / "f.txt"), one_chunk(content))
+            while (change := await asyncio.wait_for(anext(changes), 10)) != ("f.txt", "write"):
+                seen.append(change)
+            seen.append(change)
+        await changes.aclose()
+        await client.close()
+        return seen
+
+    # As E2B's envd, which writes in place, shows a new file; the file is whole when they come.
+    landed = [("f.txt", "create"), ("f.txt", "chmod"), ("f.txt", "write")]
+    assert run(scenario()) == landed + landed
+    assert (tmp_path / "f.txt").read_bytes() == b"overwritten"
+
+
 def test_a_repeated_request_id_never_runs_twice(agent_socket, tmp_path):
     counter = tmp_path / "runs"
     request = {"id": "fixed-1", "op": "exec", "shell": f"echo run >> {counter}", "env": {}}

@@ -18,7 +18,9 @@ a new host connection may resend what the old one already sent.
 ``watch`` (``path``, ``recursive``) follows a directory: ``started``, then one
 ``fs_event`` (``name`` relative to the directory, ``event``: create, write, remove,
 rename or chmod) per change, until ``unwatch`` (``target``: the watch's id) or a new host
-connection ends it with ``exit``.
+connection ends it with ``exit``. An upload (``write_file``) is written to a hidden part
+file and renamed into place; a watch never shows the part file, and shows the landing as
+E2B's envd, which writes in place, shows a new file: create, chmod, write.
 
 Tunnels carry TCP connections made inside the guest to the host (the SDK in a machine
 reaches the daemon this way; the guest's network cannot reach the host's loopback).
@@ -63,6 +65,7 @@ import json
 import os
 import pwd
 import queue
+import re
 import select
 import shutil
 import signal
@@ -411,6 +414,8 @@ WATCH_EVENTS = (  # as fsnotify (E2B's envd) names them, first match wins
     (IN_ATTRIB, "chmod"),
 )
 INOTIFY_HEADER = struct.Struct("iIII")  # wd, mask, cookie, len
+UPLOAD_LANDED_EVENTS = ("create", "chmod", "write")  # envd's open(O_CREAT), chown, write
+PARTIAL_NAME = re.compile(r"\..+\.boxd-[0-9A-Za-z]+\.part\Z")  # what _partial_path names
 
 
 class Watch:
@@ -429,6 +434,8 @@ class Watch:
         if self.fd < 0:
             raise OSError(ctypes.get_errno(), "inotify_init1")
         self.folders: dict[int, str] = {}  # watch descriptor -> folder, relative to the root
+        # Cookies of part files renamed away, whose other half (IN_MOVED_TO) is an upload landing.
+        self.landing: collections.deque[int] = collections.deque(maxlen=64)
         self.stop_reader, self.stop_writer = os.pipe()
         try:
             self._add(self.root, "")
@@ -470,7 +477,7 @@ class Watch:
     def _report(self, data: bytes) -> None:
         offset = 0
         while offset + INOTIFY_HEADER.size <= len(data):
-            descriptor, mask, _, length = INOTIFY_HEADER.unpack_from(data, offset)
+            descriptor, mask, cookie, length = INOTIFY_HEADER.unpack_from(data, offset)
             raw = data[offset + INOTIFY_HEADER.size : offset + INOTIFY_HEADER.size + length]
             offset += INOTIFY_HEADER.size + length
             if mask & IN_IGNORED or descriptor not in self.folders:
@@ -478,9 +485,21 @@ class Watch:
             name = os.path.join(self.folders[descriptor], raw.rstrip(b"\0").decode(errors="surrogateescape"))
             if self.recursive and mask & IN_ISDIR and mask & (IN_CREATE | IN_MOVED_TO):
                 self._add(os.path.join(self.root, name), name)
-            event = next((word for bits, word in WATCH_EVENTS if mask & bits), None)
-            if event is not None and name:
+            for event in self._events_of(name, mask, cookie):
                 self.agent.channel.send({"id": self.id, "type": "fs_event", "name": name, "event": event})
+
+    def _events_of(self, name: str, mask: int, cookie: int) -> tuple[str, ...]:
+        """What the host is told of one inotify event: its fsnotify name, except that an
+        upload's part file goes unseen and its landing reads as an in-place write."""
+        if PARTIAL_NAME.match(os.path.basename(name)):
+            if mask & IN_MOVED_FROM:
+                self.landing.append(cookie)
+            return ()
+        if mask & IN_MOVED_TO and cookie in self.landing:
+            self.landing.remove(cookie)
+            return UPLOAD_LANDED_EVENTS
+        event = next((word for bits, word in WATCH_EVENTS if mask & bits), None)
+        return (event,) if event is not None and name else ()
 
 
 class Tunnel:
