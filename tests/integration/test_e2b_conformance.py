@@ -28,7 +28,7 @@ TEMPLATE = "e2b-booted"
 CHECKS = [
     "commands", "background_kill", "stdin", "streamed_stdin", "pty", "files", "watch", "start_holder",
     "pause_connect", "reconnect_stream", "fork", "snapshot", "listing", "timeout_expiry", "wrong_key",
-    "unsupported", "kill",
+    "metrics", "kill",
 ]
 # Calls the oldest release does not have at all, so it cannot make those checks.
 MISSING_IN_OLDEST = {"streamed_stdin", "fork", "snapshot"}

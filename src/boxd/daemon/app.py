@@ -23,6 +23,7 @@ from boxd import __version__
 from boxd.daemon.auth import Keys
 from boxd.daemon.e2b.app import FileURLsAtRoot, create_e2b_app
 from boxd.daemon.e2b.envd import Watchers
+from boxd.daemon.e2b.metrics import MetricsSampler
 from boxd.daemon.e2b.service import SandboxService
 from boxd.daemon.logs import event
 from boxd.daemon.machines import MachineService
@@ -109,6 +110,7 @@ def create_app(*, store: Store, keys: Keys, machines: MachineService, local_sock
     snapshots = SnapshotService(store, machines.runtime, machines)
     sandboxes = SandboxService(store, machines, snapshots)
     watchers = Watchers()
+    metrics = MetricsSampler(store, machines.runtime)
     url_client = proxy_client()
 
     @asynccontextmanager
@@ -117,7 +119,9 @@ def create_app(*, store: Store, keys: Keys, machines: MachineService, local_sock
         await snapshots.recover()
         machines.start_idle_watch()
         sandboxes.start_expiry_watch()
+        metrics.start()
         yield
+        await metrics.close()
         await watchers.close()
         await sandboxes.close()
         await snapshots.close()
@@ -136,12 +140,13 @@ def create_app(*, store: Store, keys: Keys, machines: MachineService, local_sock
     app.state.machines = machines
     app.state.snapshots = snapshots
     app.state.sandboxes = sandboxes
+    app.state.metrics = metrics
     app.state.local_socket = local_socket
     app.include_router(health.router)
     app.include_router(machine_routes.router)
     app.include_router(snapshot_routes.router)
     app.include_router(admin.router)
-    app.mount(E2B_PREFIX, create_e2b_app(keys=keys, sandboxes=sandboxes, watchers=watchers))
+    app.mount(E2B_PREFIX, create_e2b_app(keys=keys, sandboxes=sandboxes, watchers=watchers, metrics=metrics))
     app.add_exception_handler(BoxdError, _boxd_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)

@@ -15,6 +15,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from boxd.daemon.auth import Keys
 from boxd.daemon.e2b import control, envd
 from boxd.daemon.e2b.connect import ConnectError, unary_error
+from boxd.daemon.e2b.metrics import MetricsSampler
 from boxd.daemon.e2b.service import SandboxService
 from boxd.daemon.logs import event
 from boxd.errors import BoxdError
@@ -86,11 +87,14 @@ class FileURLsAtRoot:
         await self.app(scope, receive, send)
 
 
-def create_e2b_app(*, keys: Keys, sandboxes: SandboxService, watchers: envd.Watchers) -> FastAPI:
+def create_e2b_app(
+    *, keys: Keys, sandboxes: SandboxService, watchers: envd.Watchers, metrics: MetricsSampler
+) -> FastAPI:
     app = FastAPI(title="boxd: E2B-compatible API", openapi_url=None, docs_url=None, redoc_url=None)
     app.state.keys = keys
     app.state.sandboxes = sandboxes
     app.state.watchers = watchers
+    app.state.metrics = metrics
     app.include_router(control.router)
     app.include_router(envd.router)
     app.add_exception_handler(BoxdError, _boxd_error)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request, Response
@@ -171,6 +171,28 @@ async def delete_snapshot(template_id: str, account: Account, sandboxes: Sandbox
 
 
 @router.get("/sandboxes/{sandbox_id}/metrics")
+async def sandbox_metrics(
+    sandbox_id: str,
+    request: Request,
+    account: Account,
+    sandboxes: Sandboxes,
+    start: Annotated[int | None, Query(ge=0)] = None,
+    end: Annotated[int | None, Query(ge=0)] = None,
+) -> Response:
+    """The sandbox's samples from ``start`` through ``end`` (Unix seconds), oldest first."""
+    sandboxes.info(account, sandbox_id)  # another account's, or a killed one, is not found
+    samples = request.app.state.metrics.series(sandbox_id, start=start, end=end)
+    return _json([
+        wire.SandboxMetric(
+            timestamp=datetime.fromtimestamp(int(sample.timestamp), tz=UTC), timestamp_unix=int(sample.timestamp),
+            cpu_count=sample.cpu_count, cpu_used_pct=sample.cpu_used_pct, mem_used=sample.mem_used,
+            mem_total=sample.mem_total, mem_cache=sample.mem_cache, disk_used=sample.disk_used,
+            disk_total=sample.disk_total,
+        )
+        for sample in samples
+    ])
+
+
 @router.put("/sandboxes/{sandbox_id}/network")
 @router.get("/sandboxes/{sandbox_id}/logs")
 @router.get("/v2/sandboxes/{sandbox_id}/logs")

@@ -229,6 +229,18 @@ class SnapshotInfo(_Answer):
     names: list[str]
 
 
+class SandboxMetric(_Answer):
+    timestamp: datetime  # E2B's deprecated spelling of timestamp_unix
+    timestamp_unix: int = Field(serialization_alias="timestampUnix")
+    cpu_count: int = Field(serialization_alias="cpuCount")
+    cpu_used_pct: float = Field(serialization_alias="cpuUsedPct")
+    mem_used: int = Field(serialization_alias="memUsed")
+    mem_total: int = Field(serialization_alias="memTotal")
+    mem_cache: int = Field(serialization_alias="memCache")
+    disk_used: int = Field(serialization_alias="diskUsed")
+    disk_total: int = Field(serialization_alias="diskTotal")
+
+
 class Error(_Answer):
     code: int
     message: str
