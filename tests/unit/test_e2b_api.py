@@ -16,9 +16,9 @@ import pytest
 from fakes import ControlPlane, FakeRuntime
 
 from boxd.daemon.e2b import envd_wire as wire
-from boxd.daemon.e2b.connect import END_STREAM, ConnectError, envelope, parse_message
+from boxd.daemon.e2b.connect import END_STREAM, ConnectError, envelope, parse_message, server_stream
 from boxd.daemon.e2b.service import parse_metadata_filter
-from boxd.errors import InvalidInput, NotFound
+from boxd.errors import AgentUnavailable, InvalidInput, NotFound
 from boxd.runtime.agent_client import WATCH_STARTED, ExecEvent
 
 pytestmark = pytest.mark.anyio
@@ -97,6 +97,32 @@ def test_metadata_filters_come_doubly_encoded():
     inner = urllib.parse.urlencode({urllib.parse.quote("a b"): urllib.parse.quote("x&y=z"), "k": "v"})
     assert parse_metadata_filter(inner) == {"a b": "x&y=z", "k": "v"}
     assert parse_metadata_filter(None) == {}
+
+
+@pytest.mark.parametrize("error, finished", [
+    (AgentUnavailable("machine m: the agent connection was lost during exec"), False),
+    (NotFound("process with pid 7 not found"), True),
+])
+async def test_a_stream_whose_sandbox_went_away_is_cut_and_any_other_error_ends_it(error, finished):
+    async def events():
+        yield wire.Empty()
+        raise error
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    await server_stream(events)({"type": "http", "asgi": {"spec_version": "2.4"}}, None, send)
+    bodies = [message for message in sent if message["type"] == "http.response.body"]
+    messages = frames(b"".join(message["body"] for message in bodies))
+    # Cut: no end message and an unfinished response, which the server ends by closing the
+    # connection, as E2B's proxy does for a sandbox that is gone (the SDKs then ask /health).
+    assert messages[0] == (0, {}) and (bodies[-1]["more_body"] is False) == finished
+    if finished:
+        assert messages[-1] == (END_STREAM, {"error": {"code": "not_found", "message": error.message}})
+    else:
+        assert len(messages) == 1
 
 
 def test_an_envelope_is_one_write_with_its_length():

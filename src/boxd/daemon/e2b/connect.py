@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.types import Send
 
 from boxd.errors import BoxdError
 
@@ -62,6 +63,12 @@ CODE_OF_BOXD_CODE = {
     "bad_gateway": "unavailable",
     "daemon_unavailable": "unavailable",
 }
+
+
+# boxd codes that mean a stream's sandbox went away under it (killed, paused to disk):
+# E2B's proxy then cuts the stream's connection, and the SDKs ask /health to tell a
+# sandbox that is gone ("killed or reached its end of life") from a network failure.
+CODES_OF_A_LOST_SANDBOX = frozenset({"agent_unavailable"})
 
 
 class ConnectError(Exception):
@@ -132,9 +139,22 @@ async def unary(request: Request, model: type[Message], handle: Callable[[Messag
     return JSONResponse(answer.model_dump(by_alias=True, exclude_none=True))
 
 
+class _Cut(Exception):
+    """Ends a stream without its end message: its connection is closed instead."""
+
+
+class _CuttableStream(StreamingResponse):
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        except _Cut:
+            pass  # the response is left unfinished, and the server closes its connection
+
+
 def server_stream(events: Callable[[], AsyncIterator[BaseModel]]) -> StreamingResponse:
     """Answer with the messages ``events`` yields, then the end of the stream (with the
-    error that ended it, if one did). Starlette cancels the iteration when the client goes."""
+    error that ended it, if one did), or cut it if its sandbox went away. Starlette
+    cancels the iteration when the client goes."""
 
     async def body() -> AsyncIterator[bytes]:
         ending: dict[str, Any] = {}
@@ -142,6 +162,9 @@ def server_stream(events: Callable[[], AsyncIterator[BaseModel]]) -> StreamingRe
             async for message in events():
                 yield envelope(message.model_dump(by_alias=True, exclude_none=True))
         except BoxdError as error:
+            if error.code in CODES_OF_A_LOST_SANDBOX:
+                log.info("envd stream cut, its sandbox went away: %s", error.code)
+                raise _Cut from error
             ending = {"error": ConnectError.of(error).to_dict()}
         except ConnectError as error:
             ending = {"error": error.to_dict()}
@@ -150,4 +173,4 @@ def server_stream(events: Callable[[], AsyncIterator[BaseModel]]) -> StreamingRe
             ending = {"error": {"code": "internal", "message": f"internal error: {type(error).__name__}"}}
         yield envelope(ending, END_STREAM)
 
-    return StreamingResponse(body(), media_type=STREAM_MEDIA_TYPE)
+    return _CuttableStream(body(), media_type=STREAM_MEDIA_TYPE)
