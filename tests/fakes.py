@@ -45,6 +45,8 @@ class FakeVM:
     alive: bool = True  # False: its process died behind the daemon's back
     suspended: bool = False
     hibernated: bool = False  # no process; files kept, as on a real machine's disk
+    memory_kept: bool = True  # by its hibernation: without it, waking is a new boot
+    boots: int = 1
     files: dict[str, bytes] = field(default_factory=dict)
     # Checkpoint id -> the files at its instant; they go when the machine does.
     checkpoints: dict[str, dict[str, bytes]] = field(default_factory=dict)
@@ -318,16 +320,18 @@ class FakeRuntime:
         if not vm.suspended:  # suspending twice is fine, as with the real runtime
             self._running(vm_id, "suspended").suspended = True
 
-    async def hibernate(self, vm_id: str) -> None:
+    async def hibernate(self, vm_id: str, *, keep_memory: bool = True) -> None:
         vm = self._vm(vm_id)
         if vm.state not in (VMState.RUNNING, VMState.PAUSED):
             raise Conflict(f"machine {vm_id}: {vm.state.value}, so it cannot be hibernated")
-        vm.hibernated, vm.suspended = True, False
+        vm.hibernated, vm.suspended, vm.memory_kept = True, False, keep_memory
 
     async def resume(self, vm_id: str) -> None:
         vm = self._vm(vm_id)
         if vm.hibernated:
             vm.hibernated, vm.alive = False, True  # a new process, from the saved state
+            if not vm.memory_kept:
+                vm.boots += 1
         vm.suspended = False
 
     async def close(self) -> None:

@@ -381,6 +381,28 @@ async def test_a_key_works_spelled_as_e2b_sdks_2_25_to_2_45_demand_and_only_on_t
         assert (await boxd.get("/v1/machines")).status_code == 401
 
 
+async def test_a_pause_without_memory_keeps_the_disk_and_resuming_boots_it(plane, e2b):
+    def vm(sandbox: dict):
+        return plane.runtime.host.vms[sandbox["sandboxID"]]
+
+    kept, dropped = await new_sandbox(e2b), await new_sandbox(e2b)
+    assert (await e2b.post(f"{E2B}/sandboxes/{kept['sandboxID']}/pause", json={})).status_code == 204
+    assert (await e2b.post(f"{E2B}/sandboxes/{dropped['sandboxID']}/pause", json={"memory": False})).status_code == 204
+    assert vm(kept).memory_kept and not vm(dropped).memory_kept
+    for sandbox in (kept, dropped):
+        resumed = await e2b.post(f"{E2B}/sandboxes/{sandbox['sandboxID']}/connect", json={"timeout": 60})
+        assert resumed.status_code == 201
+    assert (vm(kept).boots, vm(dropped).boots) == (1, 2)
+
+    # autoPauseMemory: false makes the pause at the end of its time keep the disk only.
+    timed = await new_sandbox(e2b, autoPause=True, autoPauseMemory=False)
+    whole = await new_sandbox(e2b, autoPause=True)
+    for sandbox in (timed, whole):
+        assert (await e2b.post(f"{E2B}/sandboxes/{sandbox['sandboxID']}/timeout", json={"timeout": 0})).status_code == 204
+        assert (await e2b.get(f"{E2B}/sandboxes/{sandbox['sandboxID']}")).json()["state"] == "paused"
+    assert not vm(timed).memory_kept and vm(whole).memory_kept
+
+
 # -- envd --------------------------------------------------------------------------------
 
 

@@ -393,8 +393,8 @@ class RayRuntime:
     async def suspend(self, vm_id: str) -> None:
         await self._call(vm_id, "suspend")
 
-    async def hibernate(self, vm_id: str) -> None:
-        await self._call(vm_id, "hibernate")
+    async def hibernate(self, vm_id: str, *, keep_memory: bool = True) -> None:
+        await self._call(vm_id, "hibernate", keep_memory=keep_memory)
 
     async def resume(self, vm_id: str) -> None:
         await self._call(vm_id, "resume")

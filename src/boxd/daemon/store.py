@@ -133,6 +133,10 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE machines ADD COLUMN host TEXT;
     """,
+    # 8: whether an E2B sandbox that pauses when its time runs out keeps its memory.
+    """
+    ALTER TABLE e2b_sandboxes ADD COLUMN auto_pause_memory INTEGER NOT NULL DEFAULT 1;
+    """,
 ]
 
 _ALIVE = tuple(state.value for state in ALIVE_STATES)
@@ -150,13 +154,14 @@ class SandboxRecord:
     access_token: str
     expires_at: float | None
     auto_pause: bool = False
+    auto_pause_memory: bool = True  # False: that pause keeps only the disk
 
 
 def _sandbox(row: sqlite3.Row) -> SandboxRecord:
     return SandboxRecord(
         machine=row["machine"], template=row["template"], metadata=json.loads(row["metadata"]),
         env=json.loads(row["env"]), access_token=row["access_token"], expires_at=row["expires_at"],
-        auto_pause=bool(row["auto_pause"]),
+        auto_pause=bool(row["auto_pause"]), auto_pause_memory=bool(row["auto_pause_memory"]),
     )
 
 
@@ -485,10 +490,10 @@ class Store:
     def add_sandbox(self, sandbox: SandboxRecord) -> None:
         with self._transaction() as db:
             db.execute(
-                "INSERT INTO e2b_sandboxes (machine, template, metadata, env, access_token, expires_at, auto_pause)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO e2b_sandboxes (machine, template, metadata, env, access_token, expires_at, auto_pause,"
+                " auto_pause_memory) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (sandbox.machine, sandbox.template, json.dumps(sandbox.metadata), json.dumps(sandbox.env),
-                 sandbox.access_token, sandbox.expires_at, int(sandbox.auto_pause)),
+                 sandbox.access_token, sandbox.expires_at, int(sandbox.auto_pause), int(sandbox.auto_pause_memory)),
             )
 
     def find_sandbox(self, machine_id: str) -> SandboxRecord | None:

@@ -139,8 +139,9 @@ class Runtime(Protocol):
     async def suspend(self, vm_id: str) -> None:
         """Stop the vCPUs; memory and processes stay as they are."""
 
-    async def hibernate(self, vm_id: str) -> None:
-        """Write the machine's whole state to disk and end its process, freeing its memory."""
+    async def hibernate(self, vm_id: str, *, keep_memory: bool = True) -> None:
+        """Write the machine's whole state to disk and end its process, freeing its memory.
+        Without ``keep_memory`` only its disk is kept (synced first): waking boots it from it."""
 
     async def resume(self, vm_id: str) -> None:
         """Run a suspended machine again, or bring a hibernated one back; returns once its

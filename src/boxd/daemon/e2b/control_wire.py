@@ -117,8 +117,6 @@ def _keeps_memory(why: str) -> AfterValidator:
     return AfterValidator(refuse_false)
 
 
-_NO_MEMORYLESS_PAUSE = _keeps_memory("boxd cannot yet pause a sandbox without its memory")
-
 
 class _Answer(BaseModel):
     model_config = ConfigDict(populate_by_name=True)
@@ -129,7 +127,8 @@ class NewSandbox(_Request):
     # As in E2B: a sandbox that starts needs some time (its SDKs send their default for 0).
     timeout: int = Field(default=DEFAULT_TIMEOUT_S, ge=1, le=MAX_TIMEOUT_S)
     auto_pause: bool = Field(default=False, alias="autoPause")
-    auto_pause_memory: Annotated[bool, _NO_MEMORYLESS_PAUSE] = Field(default=True, alias="autoPauseMemory")
+    # False: pausing when its time runs out keeps only its disk (it boots when resumed).
+    auto_pause_memory: bool = Field(default=True, alias="autoPauseMemory")
     auto_resume: AutoResume | None = Field(default=None, alias="autoResume")
     # E2B itself now ignores it: every sandbox's envd calls need its token, and the SDKs
     # send the token they are given either way.
@@ -172,7 +171,7 @@ class ResumeSandbox(ConnectSandbox):
 
 
 class PauseSandbox(_Request):
-    memory: Annotated[bool, _NO_MEMORYLESS_PAUSE] = True
+    memory: bool = True  # False: keep only the disk; resuming boots it, its processes gone
     # True: refuse (503) to pause a sandbox whose guest agent does not answer.
     require_healthy_guest: bool = Field(default=False, alias="requireHealthyGuest")
 

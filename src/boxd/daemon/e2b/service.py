@@ -2,8 +2,8 @@
 
 A sandbox is a machine this API created, with a row of its own (template, metadata,
 environment, the token its envd calls carry, when it expires). It never sleeps for being
-idle; ``pause`` hibernates it (its memory and processes to disk, nothing held) and
-clears its expiry until it is resumed; a sandbox whose time runs out is killed, or
+idle; ``pause`` hibernates it (its memory and processes to disk, or its disk alone, nothing
+held) and clears its expiry until it is resumed; a sandbox whose time runs out is killed, or
 paused if it asked for that.
 """
 
@@ -207,7 +207,7 @@ class SandboxService:
         record = SandboxRecord(
             machine=machine.id, template=request.template_id, metadata=request.metadata, env=request.env_vars,
             access_token=secrets.token_urlsafe(32), expires_at=self._booting_expiry(request.timeout),
-            auto_pause=request.auto_pause,
+            auto_pause=request.auto_pause, auto_pause_memory=request.auto_pause_memory,
         )
         return await self._ready(account, machine, record, request.timeout)
 
@@ -262,9 +262,10 @@ class SandboxService:
         _, machine = self._find(account, sandbox_id)
         if machine.state in _PAUSED:
             raise Conflict(f"sandbox {sandbox_id} is already paused", field="sandboxID")
-        if request.require_healthy_guest:
+        # As E2B, a pause without memory always needs the guest, to sync its disk first.
+        if request.require_healthy_guest or not request.memory:
             await self._check_guest_answers(account, sandbox_id)
-        await self.machines.hibernate(account, sandbox_id)
+        await self.machines.hibernate(account, sandbox_id, keep_memory=request.memory)
         self._store.set_sandbox_expiry(sandbox_id, None)
         event(log, "e2b.sandbox_paused", machine=sandbox_id)
 
@@ -330,7 +331,7 @@ class SandboxService:
             copy = SandboxRecord(
                 machine=child.id, template=record.template, metadata=record.metadata, env=record.env,
                 access_token=secrets.token_urlsafe(32), expires_at=self._booting_expiry(request.timeout),
-                auto_pause=record.auto_pause,
+                auto_pause=record.auto_pause, auto_pause_memory=record.auto_pause_memory,
             )
             try:
                 return wire.ForkResult(sandbox=await self._ready(account, child, copy, request.timeout))
@@ -397,7 +398,7 @@ class SandboxService:
         pausing = record.auto_pause and machine.state not in _GONE
         if pausing:
             if machine.state not in _PAUSED:
-                await self.machines.hibernate(account, machine.id)
+                await self.machines.hibernate(account, machine.id, keep_memory=record.auto_pause_memory)
             self._store.set_sandbox_expiry(machine.id, None)
         else:
             await self.machines.delete(account, machine.id)
