@@ -228,7 +228,6 @@ async def test_what_boxd_does_not_do_is_refused_naming_the_field_and_makes_nothi
         "network.allowOut": {"network": {"allowOut": ["1.1.1.1"], "denyOut": ["0.0.0.0/0"]}},
         "network.denyOut": {"network": {"denyOut": ["8.8.8.8"]}},
         "network.maskRequestHost": {"network": {"maskRequestHost": "custom-host.example.com:${PORT}"}},
-        "network.allowPublicTraffic": {"network": {"allowPublicTraffic": True}},
         "network.egressProxy": {"network": {"egressProxy": {"address": "proxy:1080"}}},
         "network.rules": {"network": {"rules": {"api.example.com": [{"transform": {"headers": {"a": "b"}}}]}}},
         "network.httpsPorts": {"network": {"httpsPorts": [8443]}},
@@ -248,10 +247,12 @@ async def test_what_boxd_does_not_do_is_refused_naming_the_field_and_makes_nothi
 
 async def test_what_boxd_does_or_what_asks_for_nothing_is_accepted(plane, e2b):
     # Denying all egress is an isolated machine, as allow_internet_access=False is.
-    fenced = await new_sandbox(e2b, network={"denyOut": ["0.0.0.0/0"], "allowPublicTraffic": False})
+    # e2b 2.45 sends allowPublicTraffic (E2B's default, true) with any network option.
+    fenced = await new_sandbox(e2b, network={"denyOut": ["0.0.0.0/0"], "allowPublicTraffic": True})
     offline = await new_sandbox(e2b, allow_internet_access=False)
     harmless = await new_sandbox(e2b, secure=False, mcp=None, volumeMounts=[], iam={"tokens": {}},
-                                 autoResume={"enabled": False}, network={"allowOut": [], "dnsServers": []})
+                                 autoResume={"enabled": False},
+                                 network={"allowOut": [], "dnsServers": [], "allowPublicTraffic": False})
     isolation = {m.id: m.isolated for m in plane.store.list_machines("alice")}
     assert isolation == {fenced["sandboxID"]: True, offline["sandboxID"]: True, harmless["sandboxID"]: False}
 

@@ -61,12 +61,12 @@ def _unserved(why: str) -> AfterValidator:
 
 
 class SandboxNetwork(_Request):
-    """E2B's network options. boxd can cut all egress (an isolated machine), and its sandboxes
-    have no public URLs; finer fences are refused until boxd enforces them."""
+    """E2B's network options. boxd can cut all egress (an isolated machine); finer fences are
+    refused until boxd enforces them."""
 
-    allow_public_traffic: Annotated[
-        bool | None, _unserved("boxd serves no public sandbox URLs (false, the fenced choice, is what it does)")
-    ] = Field(default=None, alias="allowPublicTraffic")
+    # Either way nothing is public: boxd serves no per-port sandbox URLs (2.45 sends E2B's
+    # default, true, with any network option).
+    allow_public_traffic: bool | None = Field(default=None, alias="allowPublicTraffic")
     allow_out: Annotated[
         list[str], _unserved(f"boxd does not enforce egress allow lists yet; it can only deny all ({ALL_TRAFFIC})")
     ] = Field(default_factory=list, alias="allowOut")
