@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -39,13 +41,39 @@ MACHINE_TYPE = "q35"
 
 
 def qemu_binary() -> str:
-    path = shutil.which(QEMU_BINARY)
+    """The QEMU on PATH, or the one ``BOXD_QEMU`` names (another version beside it, for a bench)."""
+    path = shutil.which(os.environ.get("BOXD_QEMU") or QEMU_BINARY)
     if path is None:
         raise HostError(
-            f"{QEMU_BINARY} not found: install the Debian package qemu-system-x86 "
+            f"{os.environ.get('BOXD_QEMU') or QEMU_BINARY} not found: install the Debian package qemu-system-x86 "
             "(apt-get install qemu-system-x86 qemu-utils)"
         )
     return path
+
+
+@functools.cache
+def _version_of(binary: str) -> str:
+    output = subprocess.run([binary, "--version"], capture_output=True, text=True, check=True).stdout
+    return output.splitlines()[0].strip()
+
+
+def qemu_version() -> str:
+    """The QEMU that runs machines here, as ``qemu-system-x86_64 --version`` says (cached)."""
+    return _version_of(qemu_binary())
+
+
+def qemu_release() -> tuple[int, int]:
+    """(major, minor) of the QEMU that runs machines here."""
+    found = re.search(r"version (\d+)\.(\d+)", qemu_version())
+    if found is None:
+        raise HostError(f"QEMU's version is not readable: {qemu_version()!r}")
+    return int(found.group(1)), int(found.group(2))
+
+
+def _firmware_args(binary: str) -> list[str]:
+    """A QEMU unpacked outside /usr (side by side with the system's) finds its firmware beside it."""
+    data = Path(binary).resolve().parent.parent / "share" / "qemu"
+    return ["-L", str(data)] if data.is_dir() and not str(data).startswith("/usr/share") else []
 
 
 @dataclass(frozen=True)
@@ -107,8 +135,10 @@ class Launch:
         else:
             # The machine's own passt process (see boxd.runtime.network).
             netdev = f"stream,id=net0,server=off,addr.type=unix,addr.path={self.net_socket}"
+        binary = qemu_binary()
         args = [
-            qemu_binary(),
+            binary,
+            *_firmware_args(binary),
             "-name", f"boxd-{self.name}",
             "-nodefaults", "-no-user-config", "-display", "none",
             "-daemonize", "-pidfile", str(self.pidfile),
@@ -340,10 +370,20 @@ async def wait_incoming(monitor: Monitor, timeout: float = 60.0) -> None:
         await asyncio.sleep(0.002)
 
 
+# Every migration capability boxd uses. Each call sets all of them, those not named off,
+# so nothing one migration needed (multifd, a background snapshot) leaks into the next.
+MIGRATION_CAPABILITIES = ("x-ignore-shared", "background-snapshot", "multifd", "pause-before-switchover",
+                          "auto-converge")
+
+
 async def set_capabilities(monitor: Monitor, **capabilities: bool) -> None:
+    wanted = {name.replace("_", "-"): on for name, on in capabilities.items()}
+    unknown = set(wanted) - set(MIGRATION_CAPABILITIES)
+    if unknown:
+        raise ValueError(f"migration capabilities not in MIGRATION_CAPABILITIES: {sorted(unknown)}")
     await monitor.execute(
         "migrate-set-capabilities",
-        {"capabilities": [{"capability": name.replace("_", "-"), "state": on} for name, on in capabilities.items()]},
+        {"capabilities": [{"capability": name, "state": wanted.get(name, False)} for name in MIGRATION_CAPABILITIES]},
     )
 
 

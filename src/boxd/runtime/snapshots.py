@@ -35,7 +35,7 @@ from typing import Any
 
 from boxd.durable import fsync_path, sha256_file
 from boxd.errors import HostError, NotFound, SnapshotUnusable
-from boxd.runtime.qemu import MACHINE_TYPE, qemu_binary, run_tool
+from boxd.runtime.qemu import MACHINE_TYPE, qemu_version, run_tool
 
 FORMAT = 1
 DIGEST = re.compile(r"^[0-9a-f]{64}$")
@@ -52,18 +52,6 @@ class SnapshotManifest:
     @property
     def size_bytes(self) -> int:
         return sum(entry["size"] for entry in self.data["files"].values())
-
-
-_qemu_version: str | None = None
-
-
-def qemu_version() -> str:
-    """The QEMU that runs machines here, as ``qemu-system-x86_64 --version`` says (cached)."""
-    global _qemu_version
-    if _qemu_version is None:
-        output = subprocess.run([qemu_binary(), "--version"], capture_output=True, text=True, check=True).stdout
-        _qemu_version = output.splitlines()[0].strip()
-    return _qemu_version
 
 
 def _digest_of(manifest: dict[str, Any]) -> str:
