@@ -83,15 +83,6 @@ def test_bytes_are_base64_in_any_of_its_spellings_and_bad_input_names_its_field(
     assert "process.cmd" in missing.value.message
 
 
-def test_an_entry_reads_as_envd_describes_it():
-    entry = {"name": "a", "path": "/h/a", "type": "symlink", "size": 4, "mode": 0o777, "mtime": 0.5,
-             "owner": "user", "group": "user", "target": "d"}
-    pointed = {**entry, "type": "dir", "size": 4096}
-    info = wire.EntryInfo.of(entry, pointed).model_dump(by_alias=True, exclude_none=True)
-    assert info["type"] == "FILE_TYPE_DIRECTORY" and info["isSymlink"] and info["symlinkTarget"] == "d"
-    assert info["permissions"] == "drwxrwxrwx" and info["modifiedTime"] == "1970-01-01T00:00:00.500000Z"
-
-
 def test_metadata_filters_come_doubly_encoded():
     # What the SDK sends: urlencode({quote(k): quote(v)}), then encoded once more as a query value.
     inner = urllib.parse.urlencode({urllib.parse.quote("a b"): urllib.parse.quote("x&y=z"), "k": "v"})
