@@ -8,6 +8,7 @@ import asyncio
 import base64
 import json
 import re
+import socket
 import struct
 import urllib.parse
 from datetime import UTC, datetime, timedelta
@@ -16,7 +17,7 @@ import pytest
 from fakes import ControlPlane, FakeRuntime
 
 from boxd.daemon.e2b import envd_wire as wire
-from boxd.daemon.e2b.connect import END_STREAM, ConnectError, envelope, parse_message, server_stream
+from boxd.daemon.e2b.connect import END_STREAM, ConnectError, envelope, parse_message, reset_when_closed, server_stream
 from boxd.daemon.e2b.service import parse_metadata_filter
 from boxd.errors import AgentUnavailable, InvalidInput, NotFound
 from boxd.runtime.agent_client import WATCH_STARTED, ExecEvent
@@ -114,6 +115,19 @@ async def test_a_stream_whose_sandbox_went_away_is_cut_and_any_other_error_ends_
         assert messages[-1] == (END_STREAM, {"error": {"code": "not_found", "message": error.message}})
     else:
         assert len(messages) == 1
+
+
+def test_a_cut_connection_is_reset_not_just_closed():
+    # What the SDKs need to see a dropped connection (and ask /health): a reset, not an EOF.
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname())
+        served, _ = listener.accept()
+        with client:
+            reset_when_closed({"client": served.getpeername(), "server": served.getsockname()})
+            served.close()
+            with pytest.raises(ConnectionResetError):
+                client.settimeout(5)
+                client.recv(1)
 
 
 def test_an_envelope_is_one_write_with_its_length():

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -17,7 +19,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
-from starlette.types import Send
+from starlette.types import Receive, Scope, Send
 
 from boxd.errors import BoxdError
 
@@ -140,15 +142,43 @@ async def unary(request: Request, model: type[Message], handle: Callable[[Messag
 
 
 class _Cut(Exception):
-    """Ends a stream without its end message: its connection is closed instead."""
+    """Ends a stream without its end message: its connection is reset instead."""
 
 
 class _CuttableStream(StreamingResponse):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._scope = scope
+        await super().__call__(scope, receive, send)
+
     async def stream_response(self, send: Send) -> None:
         try:
             await super().stream_response(send)
         except _Cut:
-            pass  # the response is left unfinished, and the server closes its connection
+            # Left unfinished, the response makes the server close the connection.
+            reset_when_closed(self._scope)
+
+
+def reset_when_closed(scope: Scope) -> None:
+    """Have the kernel reset a request's TCP connection when the server closes it
+    (SO_LINGER 0), as E2B's proxy resets the stream of a sandbox that died. ASGI has no
+    way to reset a connection, and a plain close (FIN) halfway through a chunked body is
+    a protocol error to the SDKs, not the dropped connection after which they ask
+    /health. The socket is found among this process's by its two addresses; a
+    connection over the unix socket has no client address and is closed plainly."""
+    client, server = scope.get("client"), scope.get("server")
+    if not client or not server:
+        return
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            # A duplicate: closing it leaves the connection open, and options are shared.
+            with socket.socket(fileno=os.dup(int(fd))) as candidate:
+                if (candidate.getsockname()[:2], candidate.getpeername()[:2]) == (tuple(server), tuple(client)):
+                    candidate.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    return
+        except OSError:  # gone meanwhile, not connected, or no address of that kind
+            continue
 
 
 def server_stream(events: Callable[[], AsyncIterator[BaseModel]]) -> StreamingResponse:
